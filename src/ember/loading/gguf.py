@@ -1,0 +1,491 @@
+"""GGUF checkpoints: open, read metadata, build an HF-style config, and dequantize to HF-named tensors.
+
+Parsing and dequantization are gguf-py's (`gguf.GGUFReader` over an mmap, `gguf.quants.dequantize` in
+numpy); this module only translates. The target is exactly what `transformers` holds after loading the same
+file, so the rest of Ember sees one checkpoint format:
+
+- names: one table per family maps llama.cpp tensor names (`blk.{i}.attn_q.weight`) to Hugging Face names
+  (`model.layers.{i}.self_attn.q_proj.weight`) together with the expected shape, in config symbols;
+- values: llama.cpp's conversion tweaks are undone as named per-family deltas (the q/k row permutation of
+  llama-arch attention, Gemma's norm weight stored as `1 + w`, stacked MoE experts split per expert);
+- config: `gguf_to_hf_config` writes the keys a `config.json` of that architecture has, so the config
+  builder treats a GGUF file and a safetensors directory alike.
+
+Tensor shapes in the tables use config symbols: V vocab, E hidden size, D head dim, Q = heads * D,
+KV = kv_heads * D, I intermediate size, MI MoE expert intermediate size, X number of experts.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+
+from ember.errors import CheckpointError, UnsupportedArchitectureError
+
+logger = logging.getLogger(__name__)
+
+_GGUF_MAGIC = b"GGUF"
+
+# A table entry: GGUF name template -> (HF name template, expected HF shape in config symbols), or None for a
+# tensor that is not a parameter (consumed by the config, or recomputed by the model).
+_Entry = tuple[str, tuple[str, ...]] | None
+
+
+# --------------------------------------------------------------------------------------------- reading
+
+
+def read_gguf(path: str | Path) -> gguf.GGUFReader:
+    """Open a GGUF file (memory-mapped) and check that it is whole.
+
+    Raises `CheckpointError` for a missing file, a file that is not GGUF, or a truncated/corrupt one; the
+    message is one line naming the path.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such file")
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != _GGUF_MAGIC:
+        raise CheckpointError(f"{path}: expected a GGUF file (magic 'GGUF'), found {magic!r}")
+    size = path.stat().st_size
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except (ValueError, IndexError, OverflowError, EOFError) as e:
+        # gguf-py reads the header with numpy views of the mmap: a file cut short surfaces as a failed
+        # reshape/view or an out-of-bounds index rather than as a clear error, so translate it here.
+        raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({size} bytes): {e}") from e
+    for t in reader.tensors:
+        end = int(t.data_offset) + int(t.n_bytes)
+        if end > size:
+            raise CheckpointError(
+                f"{path}: truncated GGUF file: tensor {t.name!r} ends at byte {end} but the file has {size}"
+            )
+    return reader
+
+
+def _field_value(f: gguf.ReaderField) -> object:
+    """One KV field as a plain Python value; float32 scalars keep their shortest decimal form."""
+    value = f.contents()
+    main_type = f.types[0] if f.types else None
+    elem_type = f.types[-1] if f.types else None
+    # A float32 like 1e-5 widened to float64 reads 9.999999747378752e-06; config.json said 1e-05.
+    if elem_type == gguf.GGUFValueType.FLOAT32:
+        if main_type == gguf.GGUFValueType.ARRAY:
+            return [float(str(np.float32(v))) for v in value]
+        return float(str(np.float32(value)))
+    return value
+
+
+def gguf_metadata(reader: gguf.GGUFReader) -> dict[str, object]:
+    """Every KV field of the file as plain Python values (strings decoded, arrays as lists).
+
+    The reader's synthetic `GGUF.*` header fields (version, counts) are left out.
+    """
+    return {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+
+
+# ------------------------------------------------------------------------------------------ name tables
+
+_EMBED: dict[str, _Entry] = {
+    "token_embd.weight": ("model.embed_tokens.weight", ("V", "E")),
+    "output_norm.weight": ("model.norm.weight", ("E",)),
+    "output.weight": ("lm_head.weight", ("V", "E")),
+}
+_ATTN: dict[str, _Entry] = {
+    "blk.{i}.attn_q.weight": ("model.layers.{i}.self_attn.q_proj.weight", ("Q", "E")),
+    "blk.{i}.attn_k.weight": ("model.layers.{i}.self_attn.k_proj.weight", ("KV", "E")),
+    "blk.{i}.attn_v.weight": ("model.layers.{i}.self_attn.v_proj.weight", ("KV", "E")),
+    "blk.{i}.attn_output.weight": ("model.layers.{i}.self_attn.o_proj.weight", ("E", "Q")),
+}
+_QK_NORM: dict[str, _Entry] = {
+    "blk.{i}.attn_q_norm.weight": ("model.layers.{i}.self_attn.q_norm.weight", ("D",)),
+    "blk.{i}.attn_k_norm.weight": ("model.layers.{i}.self_attn.k_norm.weight", ("D",)),
+}
+_QKV_BIAS: dict[str, _Entry] = {
+    "blk.{i}.attn_q.bias": ("model.layers.{i}.self_attn.q_proj.bias", ("Q",)),
+    "blk.{i}.attn_k.bias": ("model.layers.{i}.self_attn.k_proj.bias", ("KV",)),
+    "blk.{i}.attn_v.bias": ("model.layers.{i}.self_attn.v_proj.bias", ("KV",)),
+}
+_MLP: dict[str, _Entry] = {
+    "blk.{i}.ffn_gate.weight": ("model.layers.{i}.mlp.gate_proj.weight", ("I", "E")),
+    "blk.{i}.ffn_up.weight": ("model.layers.{i}.mlp.up_proj.weight", ("I", "E")),
+    "blk.{i}.ffn_down.weight": ("model.layers.{i}.mlp.down_proj.weight", ("E", "I")),
+}
+# Pre-norm decoder layer (llama, qwen, phi3, granite).
+_NORMS: dict[str, _Entry] = {
+    "blk.{i}.attn_norm.weight": ("model.layers.{i}.input_layernorm.weight", ("E",)),
+    "blk.{i}.ffn_norm.weight": ("model.layers.{i}.post_attention_layernorm.weight", ("E",)),
+}
+# Gemma 2/3: a norm before and after both attention and MLP. llama.cpp's ffn_norm is HF's pre-FFN norm.
+_SANDWICH_NORMS: dict[str, _Entry] = {
+    "blk.{i}.attn_norm.weight": ("model.layers.{i}.input_layernorm.weight", ("E",)),
+    "blk.{i}.post_attention_norm.weight": ("model.layers.{i}.post_attention_layernorm.weight", ("E",)),
+    "blk.{i}.ffn_norm.weight": ("model.layers.{i}.pre_feedforward_layernorm.weight", ("E",)),
+    "blk.{i}.post_ffw_norm.weight": ("model.layers.{i}.post_feedforward_layernorm.weight", ("E",)),
+}
+# Qwen3-MoE: llama.cpp stacks the experts into one (X, out, in) tensor; HF checkpoints name each expert.
+_MOE: dict[str, _Entry] = {
+    "blk.{i}.ffn_gate_inp.weight": ("model.layers.{i}.mlp.gate.weight", ("X", "E")),
+    "blk.{i}.ffn_gate_exps.weight": ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", ("MI", "E")),
+    "blk.{i}.ffn_up_exps.weight": ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", ("MI", "E")),
+    "blk.{i}.ffn_down_exps.weight": ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", ("E", "MI")),
+}
+# Phi-3 keeps HF's fused projections (llama.cpp calls the fused gate/up tensor ffn_up).
+_PHI3: dict[str, _Entry] = {
+    "blk.{i}.attn_norm.weight": ("model.layers.{i}.input_layernorm.weight", ("E",)),
+    "blk.{i}.attn_qkv.weight": ("model.layers.{i}.self_attn.qkv_proj.weight", ("QKV", "E")),
+    "blk.{i}.attn_output.weight": ("model.layers.{i}.self_attn.o_proj.weight", ("E", "Q")),
+    "blk.{i}.ffn_norm.weight": ("model.layers.{i}.post_attention_layernorm.weight", ("E",)),
+    "blk.{i}.ffn_up.weight": ("model.layers.{i}.mlp.gate_up_proj.weight", ("I2", "E")),
+    "blk.{i}.ffn_down.weight": ("model.layers.{i}.mlp.down_proj.weight", ("E", "I")),
+    # LongRoPE factors become config.rope_scaling (see _phi3_config).
+    "rope_factors_long.weight": None,
+    "rope_factors_short.weight": None,
+}
+# llama.cpp precomputes Llama-3 rope frequency factors into a tensor; HF recomputes them from rope_scaling.
+_ROPE_FREQS: dict[str, _Entry] = {"rope_freqs.weight": None}
+
+
+# ----------------------------------------------------------------------------------------- config deltas
+
+
+def _query_pre_attn_scalar(meta: dict[str, object], arch: str, cfg: dict) -> float:
+    # Gemma 2/3 27B scale queries by hidden/heads, the smaller ones by head_dim. GGUF does not store the
+    # value; llama.cpp decides by the model size, i.e. the layer count (46 for Gemma 2, 62 for Gemma 3).
+    big = {"gemma2": 46, "gemma3": 62}[arch]
+    if cfg["num_hidden_layers"] == big:
+        return cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["head_dim"]
+
+
+def _gemma2_config(meta: dict[str, object], arch: str, cfg: dict) -> None:
+    cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    cfg["query_pre_attn_scalar"] = _query_pre_attn_scalar(meta, arch, cfg)
+    cfg["sliding_window"] = meta.get(f"{arch}.attention.sliding_window")
+    cfg["attn_logit_softcapping"] = meta.get(f"{arch}.attn_logit_softcapping")
+    cfg["final_logit_softcapping"] = meta.get(f"{arch}.final_logit_softcapping")
+    # Gemma 2 alternates local and global layers, local first.
+    cfg["layer_types"] = [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(cfg["num_hidden_layers"])
+    ]
+
+
+def _gemma3_config(meta: dict[str, object], arch: str, cfg: dict) -> None:
+    cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    cfg["query_pre_attn_scalar"] = _query_pre_attn_scalar(meta, arch, cfg)
+    cfg["sliding_window"] = meta.get(f"{arch}.attention.sliding_window")
+    cfg["attn_logit_softcapping"] = meta.get(f"{arch}.attn_logit_softcapping")
+    cfg["final_logit_softcapping"] = meta.get(f"{arch}.final_logit_softcapping")
+    # Local (sliding) layers use their own rope base; llama.cpp hard-codes 10k and GGUF rarely stores it.
+    cfg["rope_local_base_freq"] = meta.get(f"{arch}.rope.freq_base_swa", 10000.0)
+    # Five local layers then one global, unless the file lists the pattern per layer.
+    n = cfg["num_hidden_layers"]
+    pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        swa = [bool(x) for x in pattern]
+    else:
+        period = int(pattern) if pattern else 6
+        swa = [(i + 1) % period != 0 for i in range(n)]
+        cfg["sliding_window_pattern"] = period
+    cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in swa]
+
+
+def _qwen3moe_config(meta: dict[str, object], arch: str, cfg: dict) -> None:
+    cfg["num_experts"] = meta[f"{arch}.expert_count"]
+    cfg["num_experts_per_tok"] = meta[f"{arch}.expert_used_count"]
+    cfg["moe_intermediate_size"] = meta[f"{arch}.expert_feed_forward_length"]
+    cfg["decoder_sparse_step"] = 1
+    cfg["mlp_only_layers"] = []
+    # llama.cpp renormalizes the top-k router weights for qwen3moe; HF's default is False.
+    cfg["norm_topk_prob"] = True
+
+
+def _phi3_config(meta: dict[str, object], arch: str, cfg: dict) -> None:
+    cfg["sliding_window"] = meta.get(f"{arch}.attention.sliding_window")
+    orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if orig is not None:
+        cfg["original_max_position_embeddings"] = orig
+    rot = meta.get(f"{arch}.rope.dimension_count")
+    if rot is not None and rot != cfg["head_dim"]:
+        cfg["partial_rotary_factor"] = rot / cfg["head_dim"]
+
+
+def _granite_config(meta: dict[str, object], arch: str, cfg: dict) -> None:
+    cfg["attention_multiplier"] = meta.get(f"{arch}.attention.scale", 1.0)
+    cfg["embedding_multiplier"] = meta.get(f"{arch}.embedding_scale", 1.0)
+    cfg["residual_multiplier"] = meta.get(f"{arch}.residual_scale", 1.0)
+    cfg["logits_scaling"] = meta.get(f"{arch}.logit_scale", 1.0)
+
+
+@dataclass(frozen=True)
+class _Family:
+    """How one `general.architecture` maps onto its Hugging Face model."""
+
+    hf_architecture: str
+    model_type: str
+    tensors: dict[str, _Entry]
+    hidden_act: str = "silu"
+    # llama.cpp permutes the rows of q/k for llama-arch models (interleaved rope); undo it.
+    permute_qk: bool = False
+    # Gemma: RMSNorm computes x * (1 + w) and llama.cpp stores 1 + w; HF stores w.
+    norm_offset: float = 0.0
+    extra_config: Callable[[dict[str, object], str, dict], None] | None = None
+    config_defaults: dict[str, object] = field(default_factory=dict)
+
+
+_FAMILIES: dict[str, _Family] = {
+    "llama": _Family(
+        "LlamaForCausalLM",
+        "llama",
+        {**_EMBED, **_NORMS, **_ATTN, **_MLP, **_ROPE_FREQS},
+        permute_qk=True,
+        config_defaults={"attention_bias": False, "mlp_bias": False},
+    ),
+    "granite": _Family(
+        "GraniteForCausalLM",
+        "granite",
+        {**_EMBED, **_NORMS, **_ATTN, **_MLP},
+        permute_qk=True,
+        extra_config=_granite_config,
+    ),
+    "qwen2": _Family("Qwen2ForCausalLM", "qwen2", {**_EMBED, **_NORMS, **_ATTN, **_QKV_BIAS, **_MLP}),
+    "qwen3": _Family("Qwen3ForCausalLM", "qwen3", {**_EMBED, **_NORMS, **_ATTN, **_QK_NORM, **_MLP}),
+    "qwen3moe": _Family(
+        "Qwen3MoeForCausalLM",
+        "qwen3_moe",
+        {**_EMBED, **_NORMS, **_ATTN, **_QK_NORM, **_MOE},
+        extra_config=_qwen3moe_config,
+    ),
+    "gemma2": _Family(
+        "Gemma2ForCausalLM",
+        "gemma2",
+        {**_EMBED, **_SANDWICH_NORMS, **_ATTN, **_MLP},
+        hidden_act="gelu_pytorch_tanh",
+        norm_offset=1.0,
+        extra_config=_gemma2_config,
+    ),
+    "gemma3": _Family(
+        "Gemma3ForCausalLM",
+        "gemma3_text",
+        {**_EMBED, **_SANDWICH_NORMS, **_ATTN, **_QK_NORM, **_MLP},
+        hidden_act="gelu_pytorch_tanh",
+        norm_offset=1.0,
+        extra_config=_gemma3_config,
+    ),
+    "phi3": _Family("Phi3ForCausalLM", "phi3", {**_EMBED, **_PHI3}, extra_config=_phi3_config),
+}
+
+
+def _family(reader: gguf.GGUFReader) -> tuple[str, _Family]:
+    field_ = reader.fields.get("general.architecture")
+    if field_ is None:
+        raise CheckpointError("GGUF file has no general.architecture key")
+    arch = str(field_.contents())
+    if arch not in _FAMILIES:
+        raise UnsupportedArchitectureError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(_FAMILIES))}"
+        )
+    return arch, _FAMILIES[arch]
+
+
+# ------------------------------------------------------------------------------------------------ config
+
+# GGUF rope.scaling.* suffix -> HF rope_scaling key.
+_ROPE_SCALING_KEYS = {
+    "factor": "factor",
+    "original_context_length": "original_max_position_embeddings",
+    "attn_factor": "attention_factor",
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+}
+
+
+def _rope_scaling(meta: dict[str, object], arch: str, reader: gguf.GGUFReader) -> dict | None:
+    kind = meta.get(f"{arch}.rope.scaling.type")
+    tensors = {t.name: t for t in reader.tensors}
+    if "rope_factors_long.weight" in tensors:
+        # Phi-3 LongRoPE: per-dimension factors are stored as tensors, not keys.
+        def factors(name: str) -> list[float]:
+            return [float(x) for x in gguf.quants.dequantize(tensors[name].data, tensors[name].tensor_type)]
+
+        return {
+            "rope_type": "longrope",
+            "long_factor": factors("rope_factors_long.weight"),
+            "short_factor": factors("rope_factors_short.weight"),
+        }
+    if kind is None or kind == "none":
+        return None
+    scaling: dict[str, object] = {"rope_type": kind}
+    for suffix, hf_key in _ROPE_SCALING_KEYS.items():
+        value = meta.get(f"{arch}.rope.scaling.{suffix}")
+        if value is not None:
+            scaling[hf_key] = value
+    return scaling
+
+
+def gguf_to_hf_config(reader: gguf.GGUFReader) -> dict:
+    """The `config.json` that Hugging Face would have for this checkpoint, built from GGUF metadata.
+
+    Keys follow `transformers`' config class for the architecture (`rope_theta`/`rope_scaling` in the
+    classic form, which every transformers version accepts).
+    Raises `UnsupportedArchitectureError` for an architecture not in the family table.
+    """
+    arch, fam = _family(reader)
+    meta = gguf_metadata(reader)
+    tensor_names = {t.name: t for t in reader.tensors}
+
+    def key(suffix: str, default: object = None) -> object:
+        return meta.get(f"{arch}.{suffix}", default)
+
+    hidden = key("embedding_length")
+    heads = key("attention.head_count")
+    n_layers = key("block_count")
+    if hidden is None or heads is None or n_layers is None:
+        raise CheckpointError(f"GGUF metadata lacks {arch}.embedding_length/attention.head_count/block_count")
+    # Some files store per-layer head counts; HF configs hold one value.
+    kv_heads = key("attention.head_count_kv", heads)
+    if isinstance(kv_heads, list):
+        kv_heads = max(kv_heads)
+    vocab = key("vocab_size")
+    if vocab is None and "token_embd.weight" in tensor_names:
+        vocab = int(tensor_names["token_embd.weight"].shape[-1])
+
+    cfg: dict[str, object] = {
+        "architectures": [fam.hf_architecture],
+        "model_type": fam.model_type,
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": n_layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": key("attention.key_length", hidden // heads),
+        "hidden_act": fam.hidden_act,
+        "max_position_embeddings": key("context_length"),
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon"),
+        "rope_theta": key("rope.freq_base", 10000.0),
+        "rope_scaling": _rope_scaling(meta, arch, reader),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    for hf_key, gguf_key in (
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+        ("pad_token_id", "tokenizer.ggml.padding_token_id"),
+    ):
+        if gguf_key in meta:
+            cfg[hf_key] = meta[gguf_key]
+    cfg.update(fam.config_defaults)
+    if fam.extra_config is not None:
+        fam.extra_config(meta, arch, cfg)
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------------- tensors
+
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(.+)")
+
+
+def _dims(cfg: dict) -> dict[str, int]:
+    """Values of the shape symbols used in the name tables."""
+    d = cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    inter = cfg.get("intermediate_size") or 0
+    return {
+        "V": cfg["vocab_size"],
+        "E": cfg["hidden_size"],
+        "D": d,
+        "Q": q,
+        "KV": kv,
+        "QKV": q + 2 * kv,
+        "I": inter,
+        "I2": 2 * inter,
+        "MI": cfg.get("moe_intermediate_size") or 0,
+        "X": cfg.get("num_experts") or 0,
+    }
+
+
+def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (HF rotate-half layout -> GGML interleaved layout).
+
+    Per head the HF rows are [first half | second half] of the rotary pairs; llama.cpp interleaves them.
+    """
+    rows = w.shape[0]
+    w = w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:])  # (heads, D/2, 2, ...)
+    return w.swapaxes(1, 2).reshape(rows, *w.shape[3:])  # (heads * D, ...)
+
+
+def _to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    if not a.flags.writeable:
+        # F32 tensors come back as read-only views of the mmap; copy so the result does not pin the file.
+        a = np.array(a, copy=True)
+    return torch.from_numpy(a).to(dtype)
+
+
+def _iter_hf_tensors(
+    reader: gguf.GGUFReader, arch: str, fam: _Family, cfg: dict
+) -> Iterator[tuple[str, np.ndarray, tuple[int, ...]]]:
+    """Yield (HF name, float32 array in HF layout, expected shape) for every parameter in the file."""
+    dims = _dims(cfg)
+    for t in reader.tensors:
+        m = _BLOCK_RE.fullmatch(t.name)
+        key, layer = (f"blk.{{i}}.{m[2]}", m[1]) if m else (t.name, None)
+        if key not in fam.tensors:
+            raise CheckpointError(
+                f"GGUF tensor {t.name!r} has no Hugging Face name for architecture {arch!r}"
+            )
+        entry = fam.tensors[key]
+        if entry is None:
+            continue
+        template, symbols = entry
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise CheckpointError(
+                f"GGUF tensor {t.name!r}: quantization {t.tensor_type.name} unsupported"
+            ) from e
+        if fam.permute_qk and key == "blk.{i}.attn_q.weight":
+            w = _unpermute_rows(w, cfg["num_attention_heads"])
+        elif fam.permute_qk and key == "blk.{i}.attn_k.weight":
+            w = _unpermute_rows(w, cfg["num_key_value_heads"])
+        if fam.norm_offset and key.endswith("norm.weight"):
+            w = w.astype(np.float32) - np.float32(fam.norm_offset)
+        name = template.replace("{i}", layer) if layer is not None else template
+        expected = tuple(dims[s] for s in symbols)
+        if "{e}" in name:
+            if w.ndim != 3 or w.shape[0] != dims["X"]:
+                raise CheckpointError(
+                    f"GGUF tensor {t.name!r} has shape {tuple(w.shape)}, expected ({dims['X']}, *{expected})"
+                )
+            for e in range(w.shape[0]):
+                yield name.replace("{e}", str(e)), w[e], expected
+        else:
+            yield name, w, expected
+
+
+def load_gguf_state_dict(
+    reader: gguf.GGUFReader, dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """Dequantize every parameter into a Hugging Face-named state dict in the HF layout.
+
+    The result equals `transformers`' state dict after loading the same GGUF, except that tied embeddings
+    appear once (`lm_head.weight` only when the file has `output.weight`) and MoE experts carry the
+    per-expert names of HF checkpoints. Raises `CheckpointError` on an unknown tensor or a shape that
+    disagrees with the config.
+    """
+    arch, fam = _family(reader)
+    cfg = gguf_to_hf_config(reader)
+    out: dict[str, torch.Tensor] = {}
+    for name, w, expected in _iter_hf_tensors(reader, arch, fam, cfg):
+        if tuple(w.shape) != expected:
+            raise CheckpointError(
+                f"GGUF tensor for {name!r} has shape {tuple(w.shape)} but the config implies {expected}"
+            )
+        out[name] = _to_torch(w, dtype)
+    return out

