@@ -1,0 +1,1 @@
+"""The `ember` command line: one entry point (`main`), one module per subcommand."""

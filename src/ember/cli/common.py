@@ -1,0 +1,84 @@
+"""Options shared by the subcommands that load a model, and their one source of defaults."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from ember.engine.sampler import SamplingParams
+from ember.loading.hub import DEFAULT_MODEL
+
+
+def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = False) -> None:
+    if positional:
+        parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    parser.add_argument(
+        "-m",
+        "--model",
+        dest="model_option",
+        default=None,
+        help=f"alias, HF directory, .gguf file or cached repo id (default: {DEFAULT_MODEL}; see `ember list`)",
+    )
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)",
+    )
+    parser.add_argument("--max-seq-len", type=int, default=None, help="cap the context (and the KV cache) length")
+    parser.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
+    parser.add_argument(
+        "--allow-pickle",
+        action="store_true",
+        help="allow *.bin/*.pt checkpoints (loaded with torch.load(weights_only=True))",
+    )
+
+
+def model_name(args: argparse.Namespace) -> str:
+    return args.model_option or getattr(args, "model", None) or DEFAULT_MODEL
+
+
+def add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling (unset values come from the model's generation_config)")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
+    g.add_argument("--temperature", type=float, default=None, help="0 means greedy (default: 0.7)")
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: off)")
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1.0: off)")
+    g.add_argument("--min-p", type=float, default=None, help="drop tokens below min_p x the top probability")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="1.0: off")
+    g.add_argument("--seed", type=int, default=None, help="same seed, same output")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+# Used when neither the command line nor the model's generation_config sets a value.
+CLI_DEFAULTS = {"temperature": 0.7, "top_p": 0.9}
+
+
+def sampling_params(args: argparse.Namespace, model_defaults: dict) -> SamplingParams:
+    values = {**CLI_DEFAULTS, **model_defaults}
+    for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty"):
+        if getattr(args, name) is not None:
+            values[name] = getattr(args, name)
+    known = {f.name for f in dataclasses.fields(SamplingParams)}
+    return SamplingParams(
+        max_tokens=args.max_new_tokens,
+        seed=args.seed,
+        stop=tuple(args.stop),
+        **{k: v for k, v in values.items() if k in known},
+    )
+
+
+def load_llm(args: argparse.Namespace):
+    from ember.llm import LLM
+
+    return LLM(
+        model_name(args),
+        device=args.device,
+        dtype=args.dtype,
+        max_seq_len=args.max_seq_len,
+        compile=args.compile,
+        allow_pickle=args.allow_pickle,
+        progress=sys.stderr.isatty(),
+    )

@@ -1,0 +1,124 @@
+"""ModelConfig: one truthful description of a decoder, built from a Hugging Face config.json or GGUF metadata.
+
+Every field is what the checkpoint says; derived values (head_dim, kv heads) only fill what is absent. The
+family modules in `ember.models` turn a config dict into a ModelConfig: `common_fields` reads the keys all
+families share, and each family adds its own named deltas (see `ember.models.families`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ember.ops.rope import RopeConfig
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    norm_eps: float
+    rope: RopeConfig
+    # Gemma 3: sliding-window layers use their own rope base; None means every layer uses `rope`.
+    local_rope: RopeConfig | None = None
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    # "pre": x + f(norm(x)) (Llama); "sandwich": x + norm(f(norm(x))) (Gemma 2/3);
+    # "post": x + norm(f(x)) (OLMo 2).
+    norm_placement: str = "pre"
+    norm_offset: float = 0.0  # Gemma stores w and scales by (1 + w)
+    qk_norm: str | None = None  # "head": RMSNorm per head (Qwen3, Gemma 3); "full": over all heads (OLMo 2)
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_scale: float | None = None  # None means head_dim ** -0.5
+    logit_multiplier: float = 1.0
+    attn_logit_softcap: float | None = None
+    final_logit_softcap: float | None = None
+    # Per layer: the sliding window (keys with q_pos - k_pos < window are visible) or None for global layers.
+    layer_windows: tuple[int | None, ...] = ()
+    # Mixture of experts; num_experts == 0 means every layer has a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    moe_layers: tuple[bool, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+    extra: dict = field(default_factory=dict)  # unused keys kept for diagnostics only
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_heads} is not a multiple of num_key_value_heads={self.num_kv_heads}"
+            )
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"{len(self.layer_windows)} layer windows for {self.num_layers} layers")
+
+    def window(self, layer: int) -> int | None:
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return bool(self.num_experts) and (not self.moe_layers or self.moe_layers[layer])
+
+
+def _ids(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)  # type: ignore[union-attr]
+
+
+def rope_from_hf(hf: dict, *, head_dim: int, params: dict | None = None) -> RopeConfig:
+    """Reads rope settings in either spelling: transformers 5's `rope_parameters` or `rope_theta` + `rope_scaling`."""
+    p = dict(params if params is not None else (hf.get("rope_parameters") or hf.get("rope_scaling") or {}))
+    theta = p.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
+    rope_type = p.pop("rope_type", None) or p.pop("type", None) or "default"
+    if rope_type == "su":  # Phi-3's early name for longrope
+        rope_type = "longrope"
+    partial = p.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor") or 1.0
+    max_pos = int(hf.get("max_position_embeddings") or 2048)
+    if rope_type in ("yarn", "longrope"):
+        p.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings") or max_pos)
+    return RopeConfig(
+        theta=float(theta),
+        rotary_dim=int(head_dim * partial),
+        max_position_embeddings=max_pos,
+        rope_type=rope_type,
+        params=p,
+    )
+
+
+def common_fields(hf: dict) -> dict:
+    """The fields every decoder family reads the same way, as keyword arguments for ModelConfig."""
+    heads = int(hf["num_attention_heads"])
+    head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // heads
+    num_layers = int(hf["num_hidden_layers"])
+    return dict(
+        architecture=hf["architectures"][0],
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),
+        norm_eps=float(hf.get("rms_norm_eps") or hf.get("layer_norm_eps") or 1e-6),
+        rope=rope_from_hf(hf, head_dim=int(head_dim)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        hidden_act=hf.get("hidden_act") or hf.get("hidden_activation") or "silu",
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_ids(hf.get("eos_token_id")),
+        torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+    )

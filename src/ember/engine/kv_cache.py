@@ -1,0 +1,66 @@
+"""The static KV cache: one preallocated (B, K, S, D) buffer per layer, written at the tokens' positions.
+
+Static shapes make the decode step compile to one graph (and one CUDA graph): every step attends over all S
+slots, and a mask hides the slots after the query's position (and, for sliding-window layers, those
+`window` or more positions behind it). Rows of a batch may sit at different positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ember.config import ModelConfig
+from ember.ops.attention import causal_mask, sdpa_attention
+
+
+class StaticKVCache:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        batch_size: int,
+        max_seq_len: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> None:
+        shape = (batch_size, cfg.num_kv_heads, max_seq_len, cfg.head_dim)  # (B, K, S, D)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.batch_size = batch_size
+        self.max_seq_len = max_seq_len
+        self.windows = sorted({cfg.window(i) for i in range(cfg.num_layers)}, key=lambda w: (w is None, w or 0))
+        self._slots = torch.arange(max_seq_len, device=device)[None]  # (1, S)
+        self._positions: torch.Tensor | None = None
+        self._masks: dict[int | None, torch.Tensor] = {}
+
+    def begin(self, positions: torch.Tensor) -> None:
+        """Called once per forward with positions (B, T): builds each window's mask once for all layers."""
+        self._positions = positions
+        self._masks = {w: causal_mask(positions, self._slots, w) for w in self.windows}
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        window: int | None,
+        scale: float,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        pos = self._positions
+        assert pos is not None, "StaticKVCache.begin(positions) must run before the forward"
+        B = q.shape[0]
+        rows = torch.arange(B, device=q.device)[:, None]  # (B, 1)
+        self.k[layer][rows, :, pos] = k  # k (B, T, K, D) lands at cache[b, :, pos[b, t]]
+        self.v[layer][rows, :, pos] = v
+        out = sdpa_attention(
+            q.transpose(1, 2),  # (B, H, T, D)
+            self.k[layer][:B],
+            self.v[layer][:B],
+            self._masks[window][:B],
+            scale=scale,
+            softcap=softcap,
+        )
+        return out.transpose(1, 2)  # (B, T, H, D)

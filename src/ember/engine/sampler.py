@@ -1,0 +1,167 @@
+"""SamplingParams and the pure sampler: `sample(logits, batch_params, generators) -> tokens`.
+
+Every row of a batch may have its own settings, so the sampler works on per-row tensors (`SamplingTensors`)
+and never branches on a row in Python. Sampling draws Exponential(1) noise and takes argmax(p / noise),
+which samples from p exactly and needs no host sync (no multinomial, no `.item()`); temperature 0 rows
+take the argmax of the processed logits. Same seed, same noise, same tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ember.errors import InvalidParameterError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request; the fields and their meaning follow vLLM's and OpenAI's."""
+
+    max_tokens: int | None = 256  # None: until the context is full
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # Hugging Face's: logits of seen tokens divided (or multiplied) by it
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every generated token's logit
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per occurrence in the generated text
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k log-probabilities per generated position (0: only the chosen token)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        def bad(name: str, value: object, expected: str) -> InvalidParameterError:
+            return InvalidParameterError(f"{name}={value!r} is invalid; expected {expected}")
+
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, "an integer >= 1")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise bad("temperature", self.temperature, "a number in [0, 100]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise bad("top_k", self.top_k, "an integer >= -1 (0 or -1 disables it)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "a number in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", self.min_p, "a number in [0, 1]")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise bad("repetition_penalty", self.repetition_penalty, "a number in (0, 10]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise bad(name, getattr(self, name), "a number in [-2, 2]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", self.logprobs, "an integer in [0, 20]")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", self.n, "an integer >= 1")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", self.stop, "non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class SamplingTensors:
+    """The per-row parameters of a batch as tensors, shapes (B,) unless noted."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor  # int64, V where disabled
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    repetition_penalty: torch.Tensor
+    presence_penalty: torch.Tensor
+    frequency_penalty: torch.Tensor
+    logit_bias: torch.Tensor | None  # (B, V) added to the logits, or None when no row has one
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], vocab_size: int, device: torch.device | str) -> SamplingTensors:
+        def col(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        bias = None
+        if any(p.logit_bias for p in params):
+            bias = torch.zeros(len(params), vocab_size, device=device)
+            for row, p in enumerate(params):
+                for token, value in p.logit_bias.items():
+                    if not 0 <= int(token) < vocab_size:
+                        raise InvalidParameterError(
+                            f"logit_bias token id {token} is outside the vocabulary [0, {vocab_size})"
+                        )
+                    bias[row, int(token)] = float(value)
+        return cls(
+            temperature=col([p.temperature for p in params]),
+            top_k=col([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64),
+            top_p=col([p.top_p for p in params]),
+            min_p=col([p.min_p for p in params]),
+            repetition_penalty=col([p.repetition_penalty for p in params]),
+            presence_penalty=col([p.presence_penalty for p in params]),
+            frequency_penalty=col([p.frequency_penalty for p in params]),
+            logit_bias=bias,
+        )
+
+
+def apply_penalties(
+    logits: torch.Tensor, st: SamplingTensors, seen: torch.Tensor, output_counts: torch.Tensor
+) -> torch.Tensor:
+    """logits (B, V); seen (B, V) bool: token in prompt or output; output_counts (B, V): occurrences in output."""
+    rp = st.repetition_penalty[:, None]
+    penalised = torch.where(logits > 0, logits / rp, logits * rp)
+    logits = torch.where(seen, penalised, logits)
+    counts = output_counts.to(logits.dtype)
+    logits = logits - st.frequency_penalty[:, None] * counts
+    logits = logits - st.presence_penalty[:, None] * (counts > 0).to(logits.dtype)
+    if st.logit_bias is not None:
+        logits = logits + st.logit_bias
+    return logits
+
+
+def _filter(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p as masks on the sorted distribution. logits (B, V)."""
+    logits = logits / st.temperature.clamp(min=1e-5)[:, None]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)[None]  # (1, V)
+    drop = ranks >= st.top_k[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    # top-p keeps the smallest prefix whose mass reaches p: drop a token if the mass before it already does.
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before >= st.top_p[:, None]
+    drop |= probs < st.min_p[:, None] * probs[:, :1]
+    drop[:, 0] = False  # the most likely token always survives
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def sample(
+    logits: torch.Tensor, st: SamplingTensors, generators: list[torch.Generator | None] | None = None
+) -> torch.Tensor:
+    """logits (B, V) float32, already penalised -> next tokens (B,) int64. Pure apart from the generators."""
+    greedy_tokens = logits.argmax(dim=-1)
+    probs = _filter(logits, st).softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    if generators is None:
+        noise.exponential_()
+    else:
+        for row, gen in enumerate(generators):
+            noise[row].exponential_(generator=gen)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(st.temperature == 0, greedy_tokens, sampled)
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    if seed is None:
+        gen.seed()
+    else:
+        gen.manual_seed(seed)
+    return gen

