@@ -1,0 +1,240 @@
+"""Turn the vocabulary embedded in a GGUF file into a `tokenizers.Tokenizer`.
+
+A GGUF carries no `tokenizer.json`: it stores the token strings, their types, merges (byte-level BPE) or
+scores (SentencePiece) and a few flags under `tokenizer.ggml.*`. We rebuild the equivalent fast tokenizer:
+
+* `tokenizer.ggml.model == "gpt2"`: byte-level BPE. Tokens are already spelled in the GPT-2 byte alphabet;
+  the text is split with the regex llama.cpp picks for `tokenizer.ggml.pre`, then mapped to bytes.
+* `tokenizer.ggml.model == "llama"`: SentencePiece BPE with byte fallback (`<0x0A>` tokens). The file has
+  no merges, so they are derived from the vocabulary: every way of cutting a token into two tokens is a
+  merge, ranked by the score of the merged token. Gemma files rank by position instead.
+
+Token types follow llama.cpp: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte. Control
+tokens become special added tokens (matched whole, dropped by `skip_special_tokens`); user-defined ones
+become plain added tokens (matched whole, always decoded), as llama.cpp does. The result agrees with
+`transformers`' own GGUF conversion, which the tests use as the oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import Tokenizer as FastTokenizer
+from tokenizers.models import BPE
+
+from ember.errors import TokenizerError
+
+if TYPE_CHECKING:
+    import gguf
+
+__all__ = ["GGUFVocab", "bos_eos_processor", "gguf_source", "vocab_from_gguf"]
+
+# llama.cpp token types (gguf.TokenType).
+_CONTROL = 3
+_USER_DEFINED = 4
+
+# The split regexes llama.cpp uses for each `tokenizer.ggml.pre` of a byte-level vocabulary. Each entry is a
+# list of regexes applied one after the other (llama.cpp's `regex_exprs`); `None` means the GPT-2 regex, which
+# the ByteLevel pre-tokenizer applies itself.
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_BYTE_LEVEL_SPLITS: dict[str, list[str] | None] = {
+    # "default" is what convert_hf_to_gguf writes when it does not recognise the pre-tokenizer; for a
+    # byte-level vocabulary that is GPT-2's split.
+    **dict.fromkeys(["gpt-2", "gpt2", "default", "mpt", "olmo", "jais"], None),
+    # StarCoder family (SmolLM included): every digit on its own, then the GPT-2 split.
+    **dict.fromkeys(
+        ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
+        [r"\p{N}", _GPT2_SPLIT],
+    ),
+    **dict.fromkeys(
+        ["llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "smaug-bpe", "dbrx", "lfm2"],
+        [_LLAMA3_SPLIT],
+    ),
+    **dict.fromkeys(["qwen2", "stablelm2", "deepseek-r1-qwen", "megrez"], [_QWEN2_SPLIT]),
+    **dict.fromkeys(["gpt-4o", "llama4"], [_GPT4O_SPLIT]),
+}
+
+# Gemma: the scores in the file do not follow the merge order, the position of a token does (ranking by score
+# gives ids that differ from the original tokenizer.json; transformers' GGUF loader found the same).
+_POSITION_RANKED_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "gemma3n"})
+
+
+@dataclass(frozen=True)
+class GGUFVocab:
+    """A GGUF's tokenizer: the fast tokenizer plus the settings `tokenizer.json` would not carry."""
+
+    tokenizer: FastTokenizer
+    bos_token_id: int | None
+    eos_token_id: int | None
+    unk_token_id: int | None
+    pad_token_id: int | None
+    add_bos: bool
+    chat_template: str | None
+
+
+def gguf_source(reader: gguf.GGUFReader) -> str:
+    """The file a reader has open, for error messages (GGUFReader keeps it only on its memmap)."""
+    return str(getattr(reader.data, "filename", None) or "<gguf>")
+
+
+def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def vocab_from_gguf(reader: gguf.GGUFReader) -> GGUFVocab:
+    """Build the tokenizer described by the `tokenizer.*` keys of an opened GGUF file."""
+    path = gguf_source(reader)
+    model = _field(reader, "tokenizer.ggml.model")
+    tokens: list[str] | None = _field(reader, "tokenizer.ggml.tokens")
+    if model is None or tokens is None:
+        raise TokenizerError(
+            f"{path} has no embedded tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens)"
+        )
+    token_types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(token_types) != len(tokens):
+        raise TokenizerError(
+            f"{path}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
+        )
+    arch = _field(reader, "general.architecture", "")
+
+    if model == "gpt2":
+        fast, added = _byte_level_bpe(reader, tokens, token_types, path)
+    elif model == "llama":
+        fast, added = _sentencepiece_bpe(reader, tokens, token_types, arch, path)
+    else:
+        raise TokenizerError(
+            f"{path}: tokenizer.ggml.model {model!r} is not supported (expected 'gpt2' or 'llama')"
+        )
+    fast.add_special_tokens([t for t in added if t.special])
+    fast.add_tokens([t for t in added if not t.special])
+
+    bos = _field(reader, "tokenizer.ggml.bos_token_id")
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    # llama.cpp's defaults when the flag is absent: SentencePiece vocabularies add BOS, byte-level ones do not.
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", model == "llama")) and bos is not None
+    add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False)) and eos is not None
+    fast.post_processor = bos_eos_processor(fast, bos if add_bos else None, eos if add_eos else None)
+    return GGUFVocab(
+        tokenizer=fast,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        unk_token_id=_field(reader, "tokenizer.ggml.unknown_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        add_bos=add_bos,
+        chat_template=_field(reader, "tokenizer.chat_template"),
+    )
+
+
+def _added_tokens(tokens: list[str], token_types: list[int], vocab: dict[str, int]) -> list[AddedToken]:
+    """Control tokens as special added tokens, user-defined ones as plain added tokens, in id order."""
+    return [
+        AddedToken(token, normalized=False, special=kind == _CONTROL)
+        for token, kind in zip(tokens, token_types, strict=True)
+        if kind in (_CONTROL, _USER_DEFINED) and token in vocab
+    ]
+
+
+def _byte_level_bpe(
+    reader: gguf.GGUFReader, tokens: list[str], token_types: list[int], path: str
+) -> tuple[FastTokenizer, list[AddedToken]]:
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    if pre not in _BYTE_LEVEL_SPLITS:
+        raise TokenizerError(
+            f"{path}: tokenizer.ggml.pre {pre!r} is not a known byte-level pre-tokenizer "
+            f"(expected one of {sorted(_BYTE_LEVEL_SPLITS)})"
+        )
+    merges_field: list[str] | None = _field(reader, "tokenizer.ggml.merges")
+    if merges_field is None:
+        raise TokenizerError(f"{path}: byte-level vocabulary without tokenizer.ggml.merges")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in merges_field]
+    fast = FastTokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+
+    splits = _BYTE_LEVEL_SPLITS[pre]
+    if splits is None:
+        fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    else:
+        fast.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(s), behavior="isolated") for s in splits]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        )
+    fast.decoder = decoders.ByteLevel()
+    return fast, _added_tokens(tokens, token_types, vocab)
+
+
+def _sentencepiece_bpe(
+    reader: gguf.GGUFReader, tokens: list[str], token_types: list[int], arch: str, path: str
+) -> tuple[FastTokenizer, list[AddedToken]]:
+    scores: list[float] | None = _field(reader, "tokenizer.ggml.scores")
+    if scores is None:
+        raise TokenizerError(f"{path}: SentencePiece vocabulary without tokenizer.ggml.scores")
+    # Gemma stores its multi-space tokens with real spaces, but text reaches the model with spaces already
+    # turned into "▁"; respell them so they can be matched and merged.
+    pieces = [t.replace(" ", "\u2581") if " " in t and not t.strip() else t for t in tokens]
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    rank = [-i for i in range(len(pieces))] if arch in _POSITION_RANKED_ARCHS else scores
+    unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
+    fast = FastTokenizer(
+        BPE(
+            vocab=vocab,
+            merges=_merges_from_vocab(pieces, vocab, rank),
+            unk_token=pieces[unk_id] if unk_id is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
+    )
+    # llama.cpp prepends a space to the text unless the file says not to (Gemma does).
+    add_space_prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
+    fast.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False
+    )
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        steps.append(decoders.Strip(content=" ", left=1))
+    fast.decoder = decoders.Sequence(steps)
+    return fast, _added_tokens(tokens, token_types, vocab)
+
+
+def _merges_from_vocab(pieces: list[str], vocab: dict[str, int], rank: list[float]) -> list[tuple[str, str]]:
+    """Every split of a piece into two pieces of the vocabulary, best merge first.
+
+    SentencePiece BPE merges, at each step, the adjacent pair whose concatenation scores highest; sorting the
+    pairs by the score of what they produce gives the equivalent ranked merge list. Ties break on the longer
+    left piece, then vocabulary order (the order transformers uses, so both agree exactly).
+    """
+    found: list[tuple[float, int, int, int, str, str]] = []
+    for index, piece in enumerate(pieces):
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                found.append((-rank[index], -len(left), -len(right), index, left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
+
+
+def bos_eos_processor(
+    backend: FastTokenizer, bos: int | None, eos: int | None
+) -> processors.TemplateProcessing:
+    """A post-processor that puts BOS before / EOS after each sequence (either may be None)."""
+    head = [backend.id_to_token(bos)] if bos is not None else []
+    tail = [backend.id_to_token(eos)] if eos is not None else []
+    special = [(backend.id_to_token(i), i) for i in (bos, eos) if i is not None]
+    return processors.TemplateProcessing(
+        single=[*head, "$A", *tail], pair=[*head, "$A", *tail, *head, "$B:1", *tail], special_tokens=special
+    )

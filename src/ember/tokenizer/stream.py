@@ -1,0 +1,66 @@
+"""Incremental detokenization: turn generated token ids into text pieces as they arrive.
+
+One token is not one piece of text. A byte-level BPE token can hold half of a UTF-8 character (emoji, CJK),
+and SentencePiece decoders treat the first token of a string specially (a leading "▁" may be stripped).
+`StreamDecoder` therefore decodes a short window of recent ids, `ids[prefix_offset:]`, and compares it with
+the text the already-emitted part of that window decodes to, `ids[prefix_offset:read_offset]`; the
+difference is the new text. Text that ends in U+FFFD is an incomplete character and is held back until a
+later token completes it (or `flush()` gives up). Each step decodes a window of a few tokens, so streaming
+is O(1) per token rather than a re-decode of the whole output.
+
+Invariant, tested against the full decode: `"".join(push(i) for i in ids) + flush() == decode(ids)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+__all__ = ["StreamDecoder"]
+
+# Ids already emitted and outside the window are dropped once this many pile up (amortised O(1) trimming).
+_TRIM_AT = 256
+
+
+class StreamDecoder:
+    """Feeds token ids one at a time and returns only text that no later token can change."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        """`decode(ids) -> str` must be the tokenizer's decode with the caller's skip_special_tokens choice."""
+        self._decode = decode
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # window start: decoding from here gives the same text as the full decode
+        self._read_offset = 0  # end of what has been emitted
+        self._prefix_text = ""  # decode(ids[prefix_offset:read_offset]), cached between steps
+
+    def push(self, token_id: int) -> str:
+        """Add one generated id; return the text it completes ("" while a character is still incomplete)."""
+        self._ids.append(token_id)
+        text = self._decode(self._ids[self._prefix_offset :])
+        if len(text) <= len(self._prefix_text) or text.endswith("\ufffd"):
+            return ""
+        new = text[len(self._prefix_text) :]
+        self._advance(text)
+        return new
+
+    def flush(self) -> str:
+        """Return whatever is still held back (an incomplete character decodes to U+FFFD, as decode() does)."""
+        if self._read_offset == len(self._ids):
+            return ""
+        text = self._decode(self._ids[self._prefix_offset :])
+        new = text[len(self._prefix_text) :]
+        self._advance(text)
+        return new
+
+    def _advance(self, text: str) -> None:
+        # The emitted tokens become the new window prefix, unless they decode to nothing (skipped special
+        # tokens): a window that starts on them would let a decoder strip the next token's leading space.
+        emitted_text = self._decode(self._ids[self._read_offset :])
+        if emitted_text:
+            self._prefix_offset, self._prefix_text = self._read_offset, emitted_text
+        else:
+            self._prefix_text = text
+        self._read_offset = len(self._ids)
+        if self._prefix_offset >= _TRIM_AT:
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
