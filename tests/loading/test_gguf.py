@@ -181,6 +181,8 @@ def test_missing_file(tmp_path):
     path = tmp_path / "nope.gguf"
     with pytest.raises(CheckpointError, match=r"nope\.gguf: no such file"):
         read_gguf(path)
+    with pytest.raises(CheckpointError, match="is a directory, expected a GGUF file"):
+        read_gguf(tmp_path)
 
 
 def test_not_a_gguf(tmp_path):

@@ -47,6 +47,8 @@ def read_gguf(path: str | Path) -> gguf.GGUFReader:
     message is one line naming the path.
     """
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path}: is a directory, expected a GGUF file")
     if not path.is_file():
         raise CheckpointError(f"{path}: no such file")
     with path.open("rb") as f:
