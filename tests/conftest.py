@@ -41,3 +41,30 @@ def smollm2_tokenizer_dir(tmp_path_factory, smollm2_gguf) -> Path:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def make_tiny_llama_dir(path: Path, tokenizer_dir: Path, **overrides) -> Path:
+    """A tiny random Llama with the SmolLM2 tokenizer: a complete HF directory that `ember.LLM` can load."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=True,
+    )
+    cfg.update(overrides)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    return save_tiny(model, path, tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer_dir)

@@ -4,7 +4,9 @@
     out = llm.chat([{"role": "user", "content": "Hi!"}], ember.SamplingParams(max_tokens=32, temperature=0))
     print(out[0].text, out[0].finish_reason)
 
-`stream()` yields text deltas as they become final. Outputs carry `.text`, `.token_ids`, `.finish_reason`
+`generate()` and `chat()` run every prompt through the batching engine (continuous batching, paged KV cache,
+prefix caching) that the server uses; `stream()` runs one request on the single-stream generator (static
+cache, optionally compiled) and yields text deltas as they become final. Outputs carry `.text`, `.token_ids`, `.finish_reason`
 ("stop" or "length") and, with `SamplingParams(logprobs=k)`, per-position log-probabilities.
 """
 
@@ -14,7 +16,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ember.engine.generate import Generator, Timings
+from ember.engine.core import EngineConfig, EngineCore
+from ember.engine.generate import Generator
 from ember.engine.output import TextAssembler
 from ember.engine.sampler import SamplingParams, make_generator
 from ember.errors import InvalidParameterError
@@ -33,7 +36,6 @@ class CompletionOutput:
     finish_reason: str  # "stop" or "length"
     # One dict per generated position: token id -> log-probability (the chosen token and the top-k).
     logprobs: list[dict[int, float]] | None = None
-    timings: Timings | None = None
 
 
 @dataclass
@@ -79,12 +81,19 @@ class LLM:
         compile: bool = False,
         allow_pickle: bool = False,
         progress: bool = False,
+        engine_config: EngineConfig | None = None,
     ) -> None:
-        self.loaded: LoadedModel = load(model, device=device, dtype=dtype, allow_pickle=allow_pickle, progress=progress)
+        self.loaded: LoadedModel = load(
+            model, device=device, dtype=dtype, allow_pickle=allow_pickle, progress=progress
+        )
         cfg = self.loaded.config
         self.context = min(cfg.max_position_embeddings, max_seq_len or cfg.max_position_embeddings)
         self.tokenizer = self.loaded.tokenizer
-        self.generator = Generator(self.loaded.model, device=self.loaded.device, context=self.context, compile=compile)
+        self.engine_config = engine_config or EngineConfig()
+        self._engine: EngineCore | None = None
+        self.generator = Generator(
+            self.loaded.model, device=self.loaded.device, context=self.context, compile=compile
+        )
 
     # -- prompts -------------------------------------------------------------------------------------------
 
@@ -98,7 +107,9 @@ class LLM:
 
     # -- generation ----------------------------------------------------------------------------------------
 
-    def stream_ids(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+    def stream_ids(
+        self, prompt_ids: list[int], params: SamplingParams | None = None
+    ) -> Iterator[StreamChunk]:
         """Streams one completion of already-tokenized `prompt_ids`."""
         params = params or SamplingParams()
         assembler = TextAssembler(self.tokenizer.stream_decoder(), params.stop)
@@ -123,23 +134,47 @@ class LLM:
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
         return self.stream_ids(self.encode_prompt(prompt), params)
 
-    def stream_chat(self, messages: Sequence[Message], params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+    def stream_chat(
+        self, messages: Sequence[Message], params: SamplingParams | None = None
+    ) -> Iterator[StreamChunk]:
         return self.stream_ids(self.encode_chat(messages), params)
 
-    def _complete(self, prompt: str | None, prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
-        out = RequestOutput(prompt=prompt, prompt_token_ids=prompt_ids)
-        # With a seed, sample i uses seed + i: n different samples, each reproducible.
-        for index in range(params.n):
-            sub = params if params.seed is None else replace(params, seed=params.seed + index)
-            text, ids, finish, logprobs = "", [], "length", [] if params.logprobs is not None else None
-            for chunk in self.stream_ids(prompt_ids, sub):
-                text += chunk.text
-                ids += chunk.token_ids
-                if logprobs is not None and chunk.logprobs:
-                    logprobs += chunk.logprobs
-                finish = chunk.finish_reason or finish
-            out.outputs.append(CompletionOutput(index, text, ids, finish, logprobs, self.generator.timings))
-        return out
+    def engine(self) -> EngineCore:
+        """The batching engine (paged KV cache), created on first use."""
+        if self._engine is None:
+            self._engine = EngineCore(self.loaded, self.engine_config, context=self.context)
+        return self._engine
+
+    def _run(
+        self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams
+    ) -> list[RequestOutput]:
+        """Runs every prompt (n samples each) through the batching engine; outputs in prompt order."""
+        core = self.engine()
+        for i, (_, ids) in enumerate(prompts):
+            for j in range(params.n):
+                # With a seed, sample j uses seed + j: n different samples, each reproducible.
+                sub = params if params.seed is None else replace(params, seed=params.seed + j)
+                core.add_request(f"llm-{i}-{j}", ids, sub)
+        updates = core.run_to_completion()
+        results = []
+        for i, (prompt, ids) in enumerate(prompts):
+            out = RequestOutput(prompt=prompt, prompt_token_ids=ids)
+            for j in range(params.n):
+                steps = updates[f"llm-{i}-{j}"]
+                logprobs = None
+                if params.logprobs is not None:
+                    logprobs = [entry for u in steps for entry in (u.logprobs or [])]
+                out.outputs.append(
+                    CompletionOutput(
+                        index=j,
+                        text="".join(u.text for u in steps),
+                        token_ids=[t for u in steps for t in u.token_ids],
+                        finish_reason=steps[-1].finish_reason or "length",
+                        logprobs=logprobs,
+                    )
+                )
+            results.append(out)
+        return results
 
     def generate(
         self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
@@ -148,11 +183,8 @@ class LLM:
         params = params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
-        results = []
-        for prompt in prompts:  # type: ignore[union-attr]
-            ids = self.encode_prompt(prompt)
-            results.append(self._complete(prompt if isinstance(prompt, str) else None, ids, params))
-        return results
+        encoded = [(p if isinstance(p, str) else None, self.encode_prompt(p)) for p in prompts]  # type: ignore[union-attr]
+        return self._run(encoded, params)
 
     def chat(
         self,
@@ -164,10 +196,12 @@ class LLM:
         """Answers one conversation (a list of {"role", "content"} dicts) or several, with the chat template."""
         params = params or SamplingParams()
         if not messages:
-            raise InvalidParameterError("messages is empty; expected at least one {'role', 'content'} message")
+            raise InvalidParameterError(
+                "messages is empty; expected at least one {'role', 'content'} message"
+            )
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        results = []
-        for conversation in conversations:
-            ids = self.encode_chat(conversation, add_generation_prompt=add_generation_prompt)  # type: ignore[arg-type]
-            results.append(self._complete(None, ids, params))
-        return results
+        encoded = [
+            (None, self.encode_chat(c, add_generation_prompt=add_generation_prompt))  # type: ignore[arg-type]
+            for c in conversations
+        ]
+        return self._run(encoded, params)

@@ -1,0 +1,119 @@
+"""The paged KV cache: a pool of fixed-size blocks per layer, read through per-request block tables.
+
+A batch is packed: the tokens of all scheduled requests form one (1, N) row — a prefill chunk of many tokens
+for some requests, one token for each decoding request. `PagedBatch` says where each request's tokens sit,
+its block table and how many tokens its context holds after this step.
+
+Attention runs in two groups: all single-token (decode) requests together — their k/v gathered through
+their block tables into (B, K, S, D) and one SDPA call — and each multi-token (prefill) segment on its own.
+Both go through `ops.attention.sdpa_attention`, the same reference the static cache uses, and the tests
+compare this cache with the static one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ember.config import ModelConfig
+from ember.ops.attention import causal_mask, sdpa_attention
+
+
+@dataclass
+class PagedBatch:
+    """Where each request's tokens lie in the packed step, built by the model runner."""
+
+    slot_mapping: torch.Tensor  # (N,) int64: cache slot (block * block_size + offset) for each token
+    positions: torch.Tensor  # (1, N) int64
+    # Decode group: packed indices of the single-token requests, their block tables and context lengths.
+    decode_index: torch.Tensor  # (Bd,) int64
+    decode_tables: torch.Tensor  # (Bd, max_blocks) int64, padded with 0 (the padding sink)
+    decode_lens: torch.Tensor  # (Bd,) int64: tokens in context including this step's
+    # Prefill segments: (start in the packed row, number of tokens, block table (nb,), context length).
+    prefills: list[tuple[int, int, torch.Tensor, int]]
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> None:
+        shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)  # (slots, K, D)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.batch: PagedBatch | None = None
+        self._masks: dict = {}
+        self.windows = {cfg.window(i) for i in range(cfg.num_layers)}
+
+    @staticmethod
+    def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+    def set_batch(self, batch: PagedBatch) -> None:
+        self.batch = batch
+
+    def begin(self, positions: torch.Tensor) -> None:
+        b = self.batch
+        assert b is not None, "PagedKVCache.set_batch() must run before the forward"
+        # The decode group's masks are the same for every layer with the same window: build them once.
+        self._masks = {}
+        if len(b.decode_index):
+            S = b.decode_tables.shape[1] * self.block_size
+            k_pos = torch.arange(S, device=self.device)[None]  # (1, S)
+            q_pos = (b.decode_lens - 1)[:, None]  # (Bd, 1)
+            for w in self.windows:
+                self._masks[("decode", w)] = causal_mask(q_pos, k_pos, w)  # (Bd, 1, 1, S)
+        for i, (start, n, _, ctx) in enumerate(b.prefills):
+            q_pos = positions[:, start : start + n]  # (1, n)
+            k_pos = torch.arange(ctx, device=self.device)[None]  # (1, ctx)
+            for w in self.windows:
+                self._masks[(i, w)] = causal_mask(q_pos, k_pos, w)  # (1, 1, n, ctx)
+
+    def _gather(self, pool: torch.Tensor, tables: torch.Tensor, length: int | None = None) -> torch.Tensor:
+        """pool (slots, K, D), tables (B, nb) -> (B, K, S, D) with S = nb * block_size (or `length`)."""
+        offsets = torch.arange(self.block_size, device=self.device)
+        slots = (tables[:, :, None] * self.block_size + offsets).flatten(1)  # (B, S)
+        if length is not None:
+            slots = slots[:, :length]
+        return pool[slots].transpose(1, 2)  # (B, K, S, D)
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        window: int | None,
+        scale: float,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """q (1, N, H, D), k and v (1, N, K, D) packed -> (1, N, H, D)."""
+        b = self.batch
+        assert b is not None
+        k_pool, v_pool = self.k[layer], self.v[layer]
+        k_pool[b.slot_mapping] = k[0]
+        v_pool[b.slot_mapping] = v[0]
+        out = torch.empty_like(q[0])  # (N, H, D)
+        if len(b.decode_index):
+            qd = q[0, b.decode_index][:, :, None]  # (Bd, H, 1, D)
+            kd = self._gather(k_pool, b.decode_tables)  # (Bd, K, S, D)
+            vd = self._gather(v_pool, b.decode_tables)
+            od = sdpa_attention(qd, kd, vd, self._masks[("decode", window)], scale=scale, softcap=softcap)
+            out[b.decode_index] = od[:, :, 0]
+        for i, (start, n, table, ctx) in enumerate(b.prefills):
+            qp = q[:, start : start + n].transpose(1, 2)  # (1, H, n, D)
+            kp = self._gather(k_pool, table[None], ctx)  # (1, K, ctx, D)
+            vp = self._gather(v_pool, table[None], ctx)
+            op = sdpa_attention(qp, kp, vp, self._masks[(i, window)], scale=scale, softcap=softcap)
+            out[start : start + n] = op[0].transpose(0, 1)
+        return out[None]
