@@ -52,8 +52,8 @@ class StreamDecoder:
         return new
 
     def _advance(self, text: str) -> None:
-        # The emitted tokens become the new window prefix, unless they decode to nothing (skipped special
-        # tokens): a window that starts on them would let a decoder strip the next token's leading space.
+        # The emitted tokens become the new window prefix, unless they decode to nothing: such a prefix is no
+        # anchor for decoders that strip the start of a decode (SentencePiece's leading "▁"), so keep the old one.
         emitted_text = self._decode(self._ids[self._read_offset :])
         if emitted_text:
             self._prefix_offset, self._prefix_text = self._read_offset, emitted_text
