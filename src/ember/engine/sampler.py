@@ -83,9 +83,16 @@ class SamplingTensors:
     presence_penalty: torch.Tensor
     frequency_penalty: torch.Tensor
     logit_bias: torch.Tensor | None  # (B, V) added to the logits, or None when no row has one
+    # Host-side summaries, so that unused filters cost nothing and need no sync to detect.
+    all_greedy: bool = False
+    max_top_k: int = 0  # the largest enabled top_k, or V when no row uses top-k
+    any_top_p: bool = False
+    any_min_p: bool = False
 
     @classmethod
-    def build(cls, params: list[SamplingParams], vocab_size: int, device: torch.device | str) -> SamplingTensors:
+    def build(
+        cls, params: list[SamplingParams], vocab_size: int, device: torch.device | str
+    ) -> SamplingTensors:
         def col(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
@@ -108,6 +115,10 @@ class SamplingTensors:
             presence_penalty=col([p.presence_penalty for p in params]),
             frequency_penalty=col([p.frequency_penalty for p in params]),
             logit_bias=bias,
+            all_greedy=all(p.temperature == 0 for p in params),
+            max_top_k=min(vocab_size, max((p.top_k for p in params if p.top_k > 0), default=vocab_size)),
+            any_top_p=any(p.top_p < 1.0 for p in params),
+            any_min_p=any(p.min_p > 0.0 for p in params),
         )
 
 
@@ -127,19 +138,27 @@ def apply_penalties(
 
 
 def _filter(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p as masks on the sorted distribution. logits (B, V)."""
+    """Temperature, then top-k, top-p and min-p as masks. logits (B, V); each filter runs only if a row uses it."""
     logits = logits / st.temperature.clamp(min=1e-5)[:, None]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
-    ranks = torch.arange(logits.shape[-1], device=logits.device)[None]  # (1, V)
-    drop = ranks >= st.top_k[:, None]
-    probs = sorted_logits.softmax(dim=-1)
-    # top-p keeps the smallest prefix whose mass reaches p: drop a token if the mass before it already does.
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop |= mass_before >= st.top_p[:, None]
-    drop |= probs < st.min_p[:, None] * probs[:, :1]
-    drop[:, 0] = False  # the most likely token always survives
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    V = logits.shape[-1]
+    if st.max_top_k < V:
+        kth = logits.topk(st.max_top_k, dim=-1).values  # (B, kmax), descending
+        threshold = kth.gather(-1, (st.top_k.clamp(max=st.max_top_k) - 1)[:, None])  # (B, 1)
+        threshold = torch.where(st.top_k[:, None] >= V, float("-inf"), threshold)
+        logits = logits.masked_fill(logits < threshold, float("-inf"))
+    if st.any_top_p:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
+        probs = sorted_logits.softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches p: drop a token if the mass before it already does.
+        drop = (probs.cumsum(dim=-1) - probs) >= st.top_p[:, None]
+        drop[:, 0] = False  # the most likely token always survives
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if st.any_min_p:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(
+            probs < st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf")
+        )
+    return logits
 
 
 def sample(
@@ -147,6 +166,8 @@ def sample(
 ) -> torch.Tensor:
     """logits (B, V) float32, already penalised -> next tokens (B,) int64. Pure apart from the generators."""
     greedy_tokens = logits.argmax(dim=-1)
+    if st.all_greedy:
+        return greedy_tokens
     probs = _filter(logits, st).softmax(dim=-1)
     noise = torch.empty_like(probs)
     if generators is None:

@@ -1,0 +1,91 @@
+"""The pure sampler: exact tokens under fixed generators, filters that keep only what they should."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.engine.sampler import SamplingParams, SamplingTensors, apply_penalties, make_generator, sample
+from ember.errors import InvalidParameterError
+
+V = 50
+
+
+def draw(logits: torch.Tensor, n: int, seed: int = 0, **kw) -> torch.Tensor:
+    """n samples from one row of logits (V,) with the given params, through a batch of n identical rows."""
+    params = [SamplingParams(**kw)] * n
+    st = SamplingTensors.build(params, logits.shape[-1], "cpu")
+    gen = make_generator(seed, "cpu")
+    return sample(logits.expand(n, -1).clone(), st, [gen] * n)
+
+
+def test_greedy_is_argmax_and_mixed_batches_keep_row_settings():
+    logits = torch.randn(4, V)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1)] * 2
+    st = SamplingTensors.build(params, V, "cpu")
+    out = sample(logits, st, [make_generator(i, "cpu") for i in range(4)])
+    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+    assert SamplingTensors.build([SamplingParams(temperature=0)], V, "cpu").all_greedy
+
+
+def test_same_seed_same_tokens_and_different_seed_differs():
+    logits = torch.zeros(V)
+    a, b, c = draw(logits, 64, seed=7), draw(logits, 64, seed=7), draw(logits, 64, seed=8)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_samples_follow_the_softmax_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    n = 20000
+    counts = torch.bincount(draw(logits, n, seed=3), minlength=4).float() / n
+    assert (counts - logits.softmax(-1)).abs().max() < 0.015
+    # temperature 0.5 sharpens to softmax(2 * logits)
+    counts = torch.bincount(draw(logits, n, seed=4, temperature=0.5), minlength=4).float() / n
+    assert (counts - (logits * 2).softmax(-1)).abs().max() < 0.015
+
+
+def test_top_k_top_p_min_p_keep_only_the_allowed_tokens():
+    logits = torch.tensor([3.0, 2.9, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0])
+    assert set(draw(logits, 2000, top_k=2).tolist()) == {0, 1}
+    probs = logits.softmax(-1)  # p = [.40, .36, .15, .05, ...]; mass before token 2 is .77
+    assert set(draw(logits, 4000, top_p=0.7).tolist()) == {0, 1}
+    assert set(draw(logits, 4000, top_p=0.8).tolist()) == {0, 1, 2}
+    keep = {i for i, p in enumerate(probs.tolist()) if p >= 0.3 * probs.max()}
+    assert set(draw(logits, 4000, min_p=0.3).tolist()) == keep
+    assert set(draw(logits, 100, top_k=1, temperature=5.0).tolist()) == {0}
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    params = [SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)]
+    st = SamplingTensors.build(params, 4, "cpu")
+    seen = torch.tensor([[True, True, False, True]])
+    counts = torch.tensor([[0, 2, 0, 1]], dtype=torch.int32)
+    out = apply_penalties(logits, st, seen, counts)
+    # token 0: seen, positive -> 2/2 = 1; token 1: seen, negative -> -4, minus 0.5 + 2 * 0.25
+    # token 2: untouched; token 3: 0.5 / 2 - 0.5 - 0.25
+    assert torch.allclose(out, torch.tensor([[1.0, -5.0, 1.0, -0.5]]))
+    st_bias = SamplingTensors.build([SamplingParams(logit_bias={3: 10.0})], 4, "cpu")
+    assert sample(apply_penalties(logits, st_bias, seen & False, counts * 0), st_bias).item() == 3
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        (dict(temperature=-1), "temperature=-1"),
+        (dict(top_p=0), "top_p=0"),
+        (dict(top_k=-5), "top_k=-5"),
+        (dict(max_tokens=0), "max_tokens=0"),
+        (dict(min_p=2), "min_p=2"),
+        (dict(presence_penalty=3), "presence_penalty=3"),
+        (dict(n=0), "n=0"),
+        (dict(stop=("",)), "stop="),
+        (dict(logprobs=50), "logprobs=50"),
+    ],
+)
+def test_invalid_params_name_the_value(kw, match):
+    with pytest.raises(InvalidParameterError, match=match):
+        SamplingParams(**kw)
+    with pytest.raises(InvalidParameterError, match="outside the vocabulary"):
+        SamplingTensors.build([SamplingParams(logit_bias={99: 1.0})], 4, "cpu")
