@@ -202,7 +202,7 @@
     const messages = [];
     if (settings.system.trim()) messages.push({ role: "system", content: settings.system });
     messages.push(...history, { role: "user", content: text });
-    addMessage("user", text);
+    const asked = addMessage("user", text);
     const el = addMessage("assistant", "");
     el.classList.add("streaming");
     const meta = el.querySelector(".meta");
@@ -286,8 +286,12 @@
       history.push({ role: "user", content: text }, { role: "assistant", content: answer });
       el.dataset.done = stats.finish || "stop";
     } else {
-      // A failed turn is not part of the conversation: the next question is sent without it.
+      // A failed turn is not part of the conversation: the next question is sent without it. Its text goes
+      // back into the empty prompt box, to be edited and sent again.
       el.remove();
+      asked.classList.add("failed");
+      asked.title = "not sent to the model; it is not part of the conversation";
+      if (!$("prompt").value) $("prompt").value = text;
     }
   }
 
