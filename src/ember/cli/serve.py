@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from ember.engine.core import EngineConfig
     from ember.llm import LLM
     from ember.serve import ServerLimits, create_app
+    from ember.serve.app import begin_drain
 
     name = model_name(args)
     engine_config = EngineConfig(
@@ -103,8 +104,9 @@ def run(args: argparse.Namespace) -> int:
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:
-            # New requests get 503 from now on; uvicorn stops accepting and waits for the running ones.
-            app.state.serving.draining = True
+            if not app.state.serving.draining:
+                log.warning("shutting down: finishing running requests (at most %.0f s)", args.drain_timeout)
+                begin_drain(app)
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(
@@ -112,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level="debug" if args.verbose else "info",
-        timeout_graceful_shutdown=int(args.drain_timeout),
+        # A backstop only: begin_drain ends the running requests (cleanly) after --drain-timeout.
+        timeout_graceful_shutdown=int(args.drain_timeout) + 5,
     )
     Server(config).run()
     return 0

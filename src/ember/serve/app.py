@@ -11,6 +11,7 @@ OpenAI's error body.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from contextlib import asynccontextmanager
@@ -90,6 +91,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        app.state.loop = asyncio.get_running_loop()
         yield
         state.draining = True
         await engine.shutdown(drain_timeout=limits.drain_timeout)
@@ -146,3 +148,17 @@ def create_app(
 
     app.add_middleware(_CountResponses, metrics=metrics)
     return app
+
+
+def begin_drain(app: FastAPI, *, drain_timeout: float | None = None) -> None:
+    """Starts a graceful shutdown (call it from a signal handler, or any thread): new requests get 503 at once,
+    running ones get `drain_timeout` seconds (default: the limits') to finish, then end with an error event.
+
+    uvicorn, told to exit at the same time, stops accepting connections and waits for the open ones, which
+    therefore close cleanly (`data: [DONE]`) rather than being cut when its own timeout passes.
+    """
+    state: ServingState = app.state.serving
+    state.draining = True
+    timeout = state.limits.drain_timeout if drain_timeout is None else drain_timeout
+    loop: asyncio.AbstractEventLoop = app.state.loop
+    loop.call_soon_threadsafe(lambda: loop.create_task(state.engine.shutdown(drain_timeout=timeout)))

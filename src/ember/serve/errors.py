@@ -63,7 +63,11 @@ def _path(loc: tuple) -> list[str]:
 
 def from_validation_error(e: ValidationError) -> APIError:
     """The first problem of a request body as a 400, naming the parameter."""
-    err = e.errors()[0]
+    errors = e.errors()
+    # A union reports one error per member (`content` is not a string; its part 0 is not text): the deepest
+    # error under the first one's location says what is wrong most precisely.
+    head = _path(errors[0]["loc"])
+    err = max((x for x in errors if _path(x["loc"])[: len(head)] == head), key=lambda x: len(_path(x["loc"])))
     cause = (err.get("ctx") or {}).get("error")
     if isinstance(cause, UnsupportedParameterError):
         return APIError(400, str(cause), param=cause.param, code="unsupported_parameter")

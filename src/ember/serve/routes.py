@@ -304,6 +304,8 @@ async def _run_jobs(
         # Cancelling a task makes its engine.generate() exit early, which aborts the engine request.
         for task in tasks:
             task.cancel()
+        if remaining:  # the client left (or an error ended the response) before these jobs finished
+            m.finished.labels("abort").inc(remaining)
 
 
 def _raise_for_unfinished(update: RequestUpdate) -> None:
