@@ -1,0 +1,170 @@
+"""The command line: the default model end to end, and one clear line for every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ember.cli.main import main
+from tests.conftest import make_tiny_llama_dir
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_one_line_error(code: int, err: str, *fragments: str) -> None:
+    assert code == 1
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ") and "Traceback" not in err
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.mark.slow
+def test_generate_json_on_the_default_model():
+    # A real subprocess through the console entry point, as a user runs it.
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ember.cli.main",
+            "generate",
+            "What is the capital of France?",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "20",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)
+    assert "Paris" in record["text"]
+    assert record["finish_reason"] in ("stop", "length")
+    assert record["completion_tokens"] == len(record["token_ids"]) > 0
+    assert record["timings"]["decode_tokens_per_s"] > 0
+
+
+def test_generate_streams_text_from_a_local_directory(capsys, tiny_llama_dir):
+    code, out, err = run_cli(
+        capsys,
+        "generate",
+        "Hello",
+        "--model",
+        str(tiny_llama_dir),
+        "--no-chat",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "5",
+    )
+    assert code == 0, err
+    assert out.strip()
+
+
+def test_missing_file(capsys):
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", "/nonexistent/model.gguf")
+    assert_one_line_error(code, err, "/nonexistent/model.gguf", "no such file")
+
+
+def test_unknown_alias(capsys):
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", "no-such-model")
+    assert_one_line_error(code, err, "unknown model 'no-such-model'", "smollm2-135m-instruct")
+
+
+def test_foreign_file_named_gguf(capsys, tmp_path):
+    path = tmp_path / "notes.gguf"
+    path.write_text("these are not weights\n" * 10)
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", str(path))
+    assert_one_line_error(code, err, str(path), "GGUF")
+
+
+def test_truncated_gguf(capsys, tmp_path, smollm2_gguf):
+    path = tmp_path / "half.gguf"
+    with smollm2_gguf.open("rb") as src, path.open("wb") as dst:
+        dst.write(src.read(smollm2_gguf.stat().st_size // 2))
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", str(path))
+    assert_one_line_error(code, err, str(path), "truncated")
+
+
+def test_truncated_safetensors(capsys, tmp_path, tiny_llama_dir):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_llama_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 3])
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", str(broken))
+    assert_one_line_error(code, err, str(weights), "truncated")
+
+
+def test_missing_weight_is_named(capsys, tmp_path, tiny_llama_dir):
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "missing"
+    shutil.copytree(tiny_llama_dir, broken)
+    state = load_file(broken / "model.safetensors")
+    del state["model.layers.1.mlp.down_proj.weight"]
+    save_file(state, broken / "model.safetensors", metadata={"format": "pt"})
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", str(broken))
+    assert_one_line_error(code, err, "missing weights", "model.layers.1.mlp.down_proj.weight")
+
+
+def test_unknown_architecture(capsys, tmp_path, tiny_llama_dir):
+    foreign = tmp_path / "foreign"
+    shutil.copytree(tiny_llama_dir, foreign)
+    cfg = json.loads((foreign / "config.json").read_text())
+    cfg["architectures"] = ["FooBarForCausalLM"]
+    (foreign / "config.json").write_text(json.dumps(cfg))
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", str(foreign))
+    assert_one_line_error(code, err, "'FooBarForCausalLM' is not supported", "LlamaForCausalLM")
+
+
+def test_prompt_longer_than_the_context(capsys, tiny_llama_dir):
+    code, _, err = run_cli(
+        capsys, "generate", "word " * 100, "--model", str(tiny_llama_dir), "--no-chat", "--max-seq-len", "32"
+    )
+    assert_one_line_error(code, err, "prompt has", "tokens but the context holds 32")
+
+
+def test_pickle_checkpoints_are_refused_unless_allowed(capsys, tmp_path, smollm2_tokenizer_dir):
+    from safetensors.torch import load_file
+
+    path = make_tiny_llama_dir(tmp_path / "pickled", smollm2_tokenizer_dir)
+    state = load_file(path / "model.safetensors")
+    (path / "model.safetensors").unlink()
+    torch.save(state, path / "pytorch_model.bin")
+    capsys.readouterr()  # drop what building the checkpoint printed
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", str(path), "--max-new-tokens", "2")
+    assert_one_line_error(code, err, "pytorch_model.bin", "--allow-pickle")
+    code, out, err = run_cli(
+        capsys, "generate", "hi", "--model", str(path), "--max-new-tokens", "2", "--allow-pickle", "--no-chat"
+    )
+    assert code == 0, err
+
+
+def test_list_shows_aliases_and_presence(capsys):
+    code, out, _ = run_cli(capsys, "list")
+    assert code == 0
+    assert "smollm2-135m-instruct" in out and "gemma3-270m" in out and "llama-3.2-1b-instruct" in out
+    row = next(line for line in out.splitlines() if "smollm2-135m-instruct (default)" in line)
+    assert "yes" in row
+
+
+def test_download_without_network_is_one_clear_line(capsys, monkeypatch, tmp_path):
+    # The sandbox has no route to the Hub: the real client fails, and the CLI must say so in one line.
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "3")
+    monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "3")
+    code, _, err = run_cli(capsys, "download", "HuggingFaceTB/SmolLM2-360M-Instruct")
+    assert_one_line_error(code, err, "HuggingFaceTB/SmolLM2-360M-Instruct")
