@@ -189,8 +189,8 @@
   }
 
   function formatStats(s) {
-    const parts = [];
-    if (s.ttft !== null) parts.push(`TTFT ${(s.ttft / 1000).toFixed(2)} s`);
+    if (s.ttft === null) return s.finish || "waiting for the first token…";
+    const parts = [`TTFT ${(s.ttft / 1000).toFixed(2)} s`];
     parts.push(`${s.tokens} tokens`);
     if (s.rate !== null) parts.push(`${s.rate.toFixed(1)} tok/s`);
     if (s.finish) parts.push(s.finish);
