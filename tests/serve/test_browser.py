@@ -21,9 +21,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import webbrowser
 from pathlib import Path
 
 import pytest
+
+from ember.cli.browser import announce_when_ready, page_url
 
 ROOT = Path(__file__).resolve().parents[2]
 STATIC = ROOT / "src" / "ember" / "serve" / "static"
@@ -333,3 +336,33 @@ def test_page_has_no_external_assets():
     for asset in re.findall(r"""(?:src|href)="/static/([^"]+)\"""", html):
         assert (STATIC / asset).is_file(), f"index.html loads /static/{asset}, which is missing"
     assert sum(p.stat().st_size for p in STATIC.iterdir()) < 64_000, "keep the page small"
+
+
+def test_page_url():
+    assert page_url("127.0.0.1", 8000) == "http://127.0.0.1:8000/"
+    assert page_url("0.0.0.0", 8080) == "http://127.0.0.1:8080/"
+    assert page_url("::", 9000) == "http://[::1]:9000/"
+    assert page_url("fe80::1", 1) == "http://[fe80::1]:1/"
+
+
+@pytest.mark.slow
+def test_announce_opens_the_page_only_where_a_browser_can_show_it(server, monkeypatch, capsys):
+    opened: list[str] = []
+    monkeypatch.setattr(webbrowser, "open", lambda url: opened.append(url) or True)
+    monkeypatch.delenv("BROWSER", raising=False)
+    monkeypatch.setenv("DISPLAY", ":0")
+    announce_when_ready(server, open_browser=True, api_key=True)
+    assert opened == [server]
+    out = capsys.readouterr().out
+    assert f"Ember chat page: {server}" in out and "API key" in out
+
+    announce_when_ready(server, open_browser=False, api_key=False)  # --no-open
+    assert opened == [server] and f"Ember chat page: {server}" in capsys.readouterr().out
+
+    if sys.platform.startswith("linux"):
+        # No display: webbrowser would start a text browser in the server's terminal, so only print.
+        monkeypatch.delenv("DISPLAY")
+        monkeypatch.delenv("WAYLAND_DISPLAY", raising=False)
+        announce_when_ready(server, open_browser=True, api_key=False)
+        assert opened == [server]
+        assert "open the address above" in capsys.readouterr().out
