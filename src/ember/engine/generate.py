@@ -1,15 +1,23 @@
 """Single-stream generation on a static KV cache: prefill the prompt, then one-token decode steps.
 
 `Generator.generate` yields one `TokenStep` per generated token and knows nothing of text; stop strings and
-detokenization live in `ember.engine.output`. The decode step has static shapes (B=1, T=1, a fixed cache), so
-`compile=True` hands it to torch.compile once and keeps the compiled callable on this object.
+detokenization live in `ember.engine.output`.
+
+Speed notes (single-stream decode is bound by reading every weight once per step):
+- The decode step has static shapes (B=1, T=1, a fixed cache), so `compile=True` hands it to torch.compile
+  once, fullgraph, and keeps the compiled callable on this object. On CUDA it runs as a CUDA graph
+  ("reduce-overhead"); on CPU inductor emits C++. `compile_prefill=True` compiles the prefill with dynamic
+  shapes, so prompts of new lengths do not recompile.
+- The next step is queued before the host waits for this step's token: the token is copied to pinned memory
+  behind an event, so the GPU never idles while Python streams a token. The one sync per token is that event.
+- Greedy requests without penalties take the argmax of the logits; nothing else runs per step.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +30,8 @@ from ember.models.decoder import Decoder
 log = logging.getLogger(__name__)
 
 CACHE_ROUNDING = 256  # cache lengths are rounded up so that similar requests reuse one cache (and one graph)
+
+StepFn = Callable[[torch.Tensor, torch.Tensor, StaticKVCache], torch.Tensor]
 
 
 @dataclass
@@ -46,9 +56,13 @@ class Timings:
         return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
 
     @property
+    def decode_steps(self) -> int:
+        # The first token comes from the prefill; each later one costs one decode step.
+        return max(self.generated_tokens - 1, 0)
+
+    @property
     def decode_tokens_per_s(self) -> float:
-        steps = max(self.generated_tokens - 1, 0)
-        return steps / self.decode_s if self.decode_s else 0.0
+        return self.decode_steps / self.decode_s if self.decode_s else 0.0
 
 
 def check_fits(prompt_tokens: int, max_tokens: int | None, context: int) -> int:
@@ -67,19 +81,70 @@ def check_fits(prompt_tokens: int, max_tokens: int | None, context: int) -> int:
     return max_tokens
 
 
+def _plain(params: SamplingParams) -> bool:
+    """True when no penalty or bias changes the logits, so apply_penalties can be skipped."""
+    return (
+        params.repetition_penalty == 1.0
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and not params.logit_bias
+    )
+
+
+class _TokenReader:
+    """Reads a device token on the host without draining the queue: copy to pinned memory, wait on an event."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+            self.event = torch.cuda.Event()
+
+    def start(self, token: torch.Tensor) -> None:
+        if self.cuda:
+            self.host.copy_(token.view(1), non_blocking=True)
+            self.event.record()
+        else:
+            self.token = token
+
+    def read(self) -> int:
+        if self.cuda:
+            self.event.synchronize()
+            return int(self.host[0])
+        return int(self.token)
+
+
 class Generator:
-    def __init__(self, model: Decoder, *, device: torch.device, context: int, compile: bool = False) -> None:
+    def __init__(
+        self,
+        model: Decoder,
+        *,
+        device: torch.device,
+        context: int,
+        compile: bool = False,
+        compile_prefill: bool = False,
+    ) -> None:
         self.model = model
         self.device = device
         self.context = context
         self.dtype = model.model.embed_tokens.weight.dtype
+        if not self.dtype.is_floating_point:  # a quantized embedding: activations follow the norms
+            self.dtype = model.model.norm.weight.dtype
         self.cache: StaticKVCache | None = None
-        self._step = self._forward
+        self.compiled = compile
+        self._decode: StepFn = self._forward
+        self._prefill: StepFn = self._forward
         if compile:
-            self._step = torch.compile(self._forward, fullgraph=True, dynamic=False)
+            # CUDA graphs remove the launch overhead of a few hundred small kernels per step; on CPU
+            # inductor's C++ kernels fuse the elementwise work between the matmuls.
+            mode = "reduce-overhead" if device.type == "cuda" else None
+            self._decode = torch.compile(self._forward, mode=mode, fullgraph=True, dynamic=False)
+        if compile_prefill:
+            self._prefill = torch.compile(self._forward, fullgraph=True, dynamic=True)
         self.timings = Timings()
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """tokens and positions (B, T) -> float32 logits of the last position (B, V)."""
         hidden = self.model(tokens, positions, cache)
         return self.model.compute_logits(hidden[:, -1])  # (B, V)
 
@@ -89,11 +154,25 @@ class Generator:
             self.cache = StaticKVCache(
                 self.model.config, batch_size=1, max_seq_len=size, device=self.device, dtype=self.dtype
             )
+            if self.compiled and self.device.type == "cuda":
+                # Static addresses let the CUDA graph write the cache in place instead of copying it.
+                for t in self.cache.k + self.cache.v:
+                    torch._dynamo.mark_static_address(t)
         return self.cache
+
+    def _run_decode(self, token: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        if self.compiled and self.device.type == "cuda":
+            # Each replay reuses the graph's output memory; we are done with the previous logits by now.
+            torch.compiler.cudagraph_mark_step_begin()
+        return self._decode(token.view(1, 1), positions, cache)
 
     @torch.inference_mode()
     def generate(
-        self, prompt: list[int], params: SamplingParams, eos_ids: tuple[int, ...], generator: torch.Generator | None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        eos_ids: tuple[int, ...],
+        generator: torch.Generator | None,
     ) -> Iterator[TokenStep]:
         budget = check_fits(len(prompt), params.max_tokens, self.context)
         cache = self._cache_for(len(prompt) + budget)
@@ -101,42 +180,75 @@ class Generator:
         st = SamplingTensors.build([params], V, self.device)
         gen = generator if generator is not None else make_generator(params.seed, self.device)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
-        seen = torch.zeros(1, V, dtype=torch.bool, device=self.device)
-        seen[0, torch.tensor(prompt, device=self.device).clamp(0, V - 1)] = True
-        counts = torch.zeros(1, V, dtype=torch.int32, device=self.device)
+        plain = _plain(params)
+        seen = counts = None
+        if not plain:
+            seen = torch.zeros(1, V, dtype=torch.bool, device=self.device)
+            seen[0, torch.tensor(prompt, device=self.device).clamp(0, V - 1)] = True
+            counts = torch.zeros(1, V, dtype=torch.int32, device=self.device)
         timings = self.timings = Timings(prompt_tokens=len(prompt))
+        reader = _TokenReader(self.device)
+
+        def pick(logits: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+            """logits (1, V) -> token (1,) on the device, and (log-probs, top-k) when asked for; no sync."""
+            processed = logits if plain else apply_penalties(logits, st, seen, counts)
+            token = processed.argmax(dim=-1) if params.greedy else sample(processed, st, [gen])
+            if params.logprobs is None:
+                return token, None
+            logp = torch.log_softmax(logits[0], dim=-1)
+            return token, (logp, logp.topk(params.logprobs) if params.logprobs else None)
 
         start = time.perf_counter()
         tokens = torch.tensor([prompt], device=self.device)  # (1, T)
         positions = torch.arange(len(prompt), device=self.device)[None]  # (1, T)
-        # Prefill runs eagerly: its shape changes with every prompt.
-        logits = self._forward(tokens, positions, cache)
-        pos = len(prompt)
+        token, extra = pick(self._prefill(tokens, positions, cache))
+        step_pos = torch.tensor([[len(prompt)]], device=self.device)  # (1, 1), advanced in place
+        decode_start = start
+        # On CUDA the next step is queued before waiting for this token; on CPU there is nothing to overlap,
+        # so the token is read first and the time to first token holds no decode step.
+        overlap = self.device.type == "cuda"
         for i in range(budget):
-            processed = apply_penalties(logits, st, seen, counts)
-            token = sample(processed, st, [gen])
-            token_id = int(token)  # the one host sync per step: the caller needs the token to stream it
+            reader.start(token)
+            more = i < budget - 1
+            if overlap and more:  # if token i ends the request, the queued step is wasted
+                next_token, next_extra = self._step(pick, token, step_pos, cache, seen, counts)
+            token_id = reader.read()  # the one host sync per step: the caller needs the token to stream it
             now = time.perf_counter()
             if i == 0:
                 timings.prefill_s = timings.first_token_s = now - start
                 decode_start = now
             step = TokenStep(token_id)
-            if params.logprobs is not None:
-                logp = torch.log_softmax(logits[0], dim=-1)
+            if extra is not None:
+                logp, top = extra
                 step.logprob = float(logp[token_id])
-                if params.logprobs:
-                    top = logp.topk(params.logprobs)
+                if top is not None:
                     step.top_logprobs = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
             timings.generated_tokens = i + 1
             if token_id in stops:
                 step.finish_reason = "stop"
-            elif i == budget - 1:
+            elif not more:
                 step.finish_reason = "length"
             timings.decode_s = now - decode_start
             yield step
             if step.finish_reason:
                 return
-            seen[0, token_id] = True
-            counts[0, token_id] += 1
-            logits = self._step(token.view(1, 1), torch.tensor([[pos]], device=self.device), cache)
-            pos += 1
+            if not overlap:
+                next_token, next_extra = self._step(pick, token, step_pos, cache, seen, counts)
+            token, extra = next_token, next_extra
+
+    def _step(
+        self,
+        pick: Callable[[torch.Tensor], tuple],
+        token: torch.Tensor,
+        step_pos: torch.Tensor,
+        cache: StaticKVCache,
+        seen: torch.Tensor | None,
+        counts: torch.Tensor | None,
+    ) -> tuple:
+        """Records `token` as seen, runs one decode step at `step_pos` and picks the next token; no sync."""
+        if seen is not None and counts is not None:
+            seen[0].index_fill_(0, token, True)
+            counts[0].index_add_(0, token, torch.ones_like(token, dtype=torch.int32))
+        out = pick(self._run_decode(token, step_pos, cache))
+        step_pos += 1
+        return out
