@@ -80,8 +80,16 @@ def _ids(value: object) -> tuple[int, ...]:
 
 
 def rope_from_hf(hf: dict, *, head_dim: int, params: dict | None = None) -> RopeConfig:
-    """Reads rope settings in either spelling: transformers 5's `rope_parameters` or `rope_theta` + `rope_scaling`."""
-    p = dict(params if params is not None else (hf.get("rope_parameters") or hf.get("rope_scaling") or {}))
+    """Reads rope settings in either spelling: transformers 5's `rope_parameters` or `rope_theta` + `rope_scaling`.
+
+    `params` picks one entry explicitly; otherwise a `rope_parameters` keyed by layer type (Gemma 3 in
+    transformers 5: {"full_attention": ..., "sliding_attention": ...}) yields its full-attention entry.
+    """
+    if params is None:
+        params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if "full_attention" in params:
+            params = params["full_attention"]
+    p = dict(params)
     theta = p.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
     rope_type = p.pop("rope_type", None) or p.pop("type", None) or "default"
     if rope_type == "su":  # Phi-3's early name for longrope
@@ -89,7 +97,9 @@ def rope_from_hf(hf: dict, *, head_dim: int, params: dict | None = None) -> Rope
     partial = p.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor") or 1.0
     max_pos = int(hf.get("max_position_embeddings") or 2048)
     if rope_type in ("yarn", "longrope"):
-        p.setdefault("original_max_position_embeddings", hf.get("original_max_position_embeddings") or max_pos)
+        p.setdefault(
+            "original_max_position_embeddings", hf.get("original_max_position_embeddings") or max_pos
+        )
     return RopeConfig(
         theta=float(theta),
         rotary_dim=int(head_dim * partial),
@@ -97,6 +107,22 @@ def rope_from_hf(hf: dict, *, head_dim: int, params: dict | None = None) -> Rope
         rope_type=rope_type,
         params=p,
     )
+
+
+def layer_windows(hf: dict, num_layers: int) -> tuple[int | None, ...]:
+    """Per-layer sliding windows from `sliding_window` and, when present, `layer_types` (transformers 5).
+
+    Without `layer_types` a window applies to every layer; no window (None or 0) means all layers are global.
+    """
+    window = hf.get("sliding_window")
+    if not window:
+        return ()
+    types = hf.get("layer_types")
+    if types is None:
+        return (int(window),) * num_layers
+    if len(types) != num_layers:
+        raise ValueError(f"layer_types lists {len(types)} layers but num_hidden_layers is {num_layers}")
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
 def common_fields(hf: dict) -> dict:

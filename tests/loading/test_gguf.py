@@ -138,12 +138,25 @@ def gemma3():
     return path, read_gguf(path)
 
 
+@pytest.fixture(scope="session")
+def gemma3_state_dict(gemma3):
+    return load_gguf_state_dict(gemma3[1])
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference(gemma3):
+    """transformers' Gemma 3 270M from the same GGUF (the slowest load of the suite: shared by two tests)."""
+    path = gemma3[0]
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
 @pytest.mark.slow
-def test_gemma3_config_and_state_dict_match_transformers(gemma3):
+def test_gemma3_config_and_state_dict_match_transformers(gemma3, gemma3_state_dict, gemma3_reference):
     path, reader = gemma3
     cfg = gguf_to_hf_config(reader)
-    model = _hf_model(path)  # its config is AutoConfig's; one parse of the 262k-token vocab is enough
-    hf = model.config
+    hf = gemma3_reference.config  # AutoConfig's; one parse of the 262k-token vocab is enough
     assert cfg["architectures"] == ["Gemma3ForCausalLM"]
     for k in [
         "model_type",
@@ -171,7 +184,59 @@ def test_gemma3_config_and_state_dict_match_transformers(gemma3):
     assert ours.rope_parameters == hf.rope_parameters
     assert ours.layer_types == hf.layer_types
 
-    _assert_state_dicts_equal(load_gguf_state_dict(reader), model.state_dict(), tied=True)
+    _assert_state_dicts_equal(gemma3_state_dict, gemma3_reference.state_dict(), tied=True)
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_gemma3_270m_logits_and_greedy_match_transformers(gemma3, gemma3_state_dict, gemma3_reference):
+    """The real model end to end: Ember (built from our state dict) vs transformers on the same GGUF.
+
+    The prompt is longer than the 512-token sliding window, so local and global layers both matter; then
+    every cached decode step's logits and the greedy tokens must agree.
+    """
+    from ember.engine.kv_cache import StaticKVCache
+    from ember.loading.safetensors import DictSource
+    from ember.loading.weights import build_model
+    from ember.models import config_from_hf, get_family
+
+    cfg = config_from_hf(gguf_to_hf_config(gemma3[1]))
+    assert cfg.window(0) == 512 and cfg.window(5) is None and cfg.local_rope.theta == 1e4
+    model = build_model(
+        cfg,
+        get_family(cfg.architecture),
+        DictSource(gemma3_state_dict),
+        device="cpu",
+        dtype=torch.float32,
+        origin="gemma3",
+        progress=False,
+    )
+    T, steps, tail = 530, 8, 16
+    prompt = torch.cat([torch.tensor([[cfg.bos_token_id]]), torch.randint(3, 50000, (1, T - 1))], dim=1)
+    ref = gemma3_reference.generate(
+        prompt,
+        max_new_tokens=steps,
+        min_new_tokens=steps,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    expected_prefill = gemma3_reference(prompt, logits_to_keep=tail).logits  # (1, tail, V)
+
+    cache = StaticKVCache(cfg, batch_size=1, max_seq_len=T + steps, device="cpu", dtype=torch.float32)
+    hidden = model(prompt, torch.arange(T)[None], cache)
+    logits = model.compute_logits(hidden[:, -tail:])
+    # Logits reach |64| after 18 fp32 layers that sum in a different order than transformers does.
+    assert (logits - expected_prefill).abs().max() <= 2e-4
+    tokens = []
+    for i in range(steps):
+        step_logits = logits[0, -1]
+        assert (step_logits - ref.logits[i][0]).abs().max() <= 2e-4, f"decode step {i}"
+        tokens.append(int(step_logits.argmax()))
+        nxt = torch.tensor([[tokens[-1]]])
+        logits = model.compute_logits(model(nxt, torch.tensor([[T + i]]), cache))
+    assert tokens == ref.sequences[0, T:].tolist()
 
 
 # ----------------------------------------------------------------------------------------- bad input

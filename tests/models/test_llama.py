@@ -55,14 +55,21 @@ def load_pair(case: str, tmp_path):
     ref.save_pretrained(tmp_path)
     cfg = config_from_hf(read_hf_config(tmp_path))
     model = build_model(
-        cfg, get_family(cfg.architecture), SafetensorsSource(tmp_path), device="cpu", dtype=torch.float32, origin="t"
+        cfg,
+        get_family(cfg.architecture),
+        SafetensorsSource(tmp_path),
+        device="cpu",
+        dtype=torch.float32,
+        origin="t",
     )
     return ref, model
 
 
 def run_cached(model, ids: torch.Tensor, split: int) -> torch.Tensor:
     """Prefill ids[:, :split], then decode the rest one token at a time; logits for every position."""
-    cache = StaticKVCache(model.config, batch_size=ids.shape[0], max_seq_len=64, device="cpu", dtype=torch.float32)
+    cache = StaticKVCache(
+        model.config, batch_size=ids.shape[0], max_seq_len=64, device="cpu", dtype=torch.float32
+    )
     pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
     outs = [model.compute_logits(model(ids[:, :split], pos[:, :split], cache))]
     for t in range(split, ids.shape[1]):

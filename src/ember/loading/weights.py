@@ -1,8 +1,10 @@
 """Builds a Decoder on the meta device and fills it from a weight source, name by name.
 
-Each Ember parameter comes from the checkpoint parameter of the same name or, for fused parameters, from the
-parts its family's `packed` table names (concatenated on dim 0). Anything missing or left over is an error
-naming the weights: a silently random layer is the worst bug a loader can have.
+Each Ember parameter comes from the checkpoint parameter of the same name; for fused parameters, from the
+parts its family's `packed` table names (concatenated on dim 0); for MoE expert parameters, from the
+per-expert parts its `stacked` table names (each expert's parts concatenated, then stacked on a new dim 0).
+Anything missing or left over is an error naming the weights: a silently random layer is the worst bug a
+loader can have.
 """
 
 from __future__ import annotations
@@ -36,6 +38,19 @@ def _parts(name: str, family: Family) -> list[str] | None:
     return [f"{module_path}.{part}.{leaf}" for part in family.packed[module]]
 
 
+def _expert_parts(name: str, family: Family, num_experts: int) -> list[list[str]] | None:
+    """'...mlp.experts.down_proj' -> [['...mlp.experts.0.down_proj.weight'], ...], one list per expert."""
+    for suffix, parts in family.stacked.items():
+        if name.endswith("." + suffix):
+            prefix = name[: -len(suffix)]
+            return [[prefix + p.format(e=e) for p in parts] for e in range(num_experts)]
+    return None
+
+
+def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+
+
 def _describe(names: list[str], limit: int = 5) -> str:
     shown = ", ".join(sorted(names)[:limit])
     return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
@@ -63,18 +78,22 @@ def build_model(
         # Tied checkpoints sometimes still carry a copy of the output matrix; it is the same tensor.
         renamed.pop("lm_head.weight", None)
 
-    plan: dict[str, list[str]] = {}
+    # Ember name -> groups of checkpoint names: each group is concatenated on dim 0; several groups (experts)
+    # are then stacked on a new dim 0.
+    plan: dict[str, tuple[list[list[str]], bool]] = {}
     missing: list[str] = []
     for name in model.state_dict():
         if name in renamed:
-            plan[name] = [name]
+            plan[name] = ([[name]], False)
             continue
-        parts = _parts(name, family)
-        if parts and all(p in renamed for p in parts):
-            plan[name] = parts
+        experts = _expert_parts(name, family, cfg.num_experts)
+        groups = experts if experts is not None else [_parts(name, family) or [name]]
+        wanted = [p for group in groups for p in group]
+        if all(p in renamed for p in wanted):
+            plan[name] = (groups, experts is not None)
         else:
-            missing.extend(p for p in (parts or [name]) if p not in renamed)
-    used = {p for parts in plan.values() for p in parts}
+            missing.extend(p for p in wanted if p not in renamed)
+    used = {p for groups, _ in plan.values() for group in groups for p in group}
     unexpected = [n for n in renamed if n not in used and not n.endswith("rotary_emb.inv_freq")]
     if missing:
         raise CheckpointError(f"{origin}: missing weights for {cfg.architecture}: {_describe(missing)}")
@@ -83,9 +102,11 @@ def build_model(
 
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
-    for name, parts in tqdm(plan.items(), desc="loading weights", unit="tensor", disable=not progress, leave=False):
-        tensors = [source.get(renamed[p]) for p in parts]
-        tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+    for name, (groups, stack) in tqdm(
+        plan.items(), desc="loading weights", unit="tensor", disable=not progress, leave=False
+    ):
+        fused = [_concat([source.get(renamed[p]) for p in group]) for group in groups]
+        tensor = torch.stack(fused) if stack else fused[0]
         if tensor.shape != expected[name].shape:
             raise CheckpointError(
                 f"{origin}: weight {name} has shape {tuple(tensor.shape)}, "

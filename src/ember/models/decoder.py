@@ -87,17 +87,51 @@ class MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+def _grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul runs here: a CPU fallback or bf16 on CUDA (sm80+), 16-byte aligned rows."""
+    if not hasattr(F, "grouped_mm"):
+        return False
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
+            return False
+    elif x.device.type != "cpu":
+        return False
+    return all(
+        w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0 for w in weights
+    )
+
+
+def expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """x (P, in) rows sorted by expert, w (X, out, in), offsets (X,) int32 group ends -> (P, out).
+
+    Row p is multiplied by the weight of the expert whose group holds it: one grouped GEMM where torch has it,
+    else one matmul per expert over its rows (a loop over experts, never over tokens; it reads the group sizes
+    on the host, which a prefill can afford).
+    """
+    if grouped:
+        return F.grouped_mm(x, w.transpose(1, 2), offs=offsets)
+    out = x.new_empty(x.shape[0], w.shape[1])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            out[start:end] = x[start:end] @ w[e].T
+        start = end
+    return out
+
+
 class MoE(nn.Module):
-    """Top-k routed experts, computed as one batched matmul per projection over the routed (token, expert) pairs.
+    """Top-k routed experts: the (token, expert) pairs are sorted by expert and each expert's projection runs
+    once over its group of rows, as a grouped matmul.
 
     Expert weights are stacked: `experts.gate_up_proj` (X, 2I, E) and `experts.down_proj` (X, E, I) for X
-    experts. Each token's k chosen experts are gathered and applied with `torch.bmm`-style einsums, so the cost
-    follows the routed pairs and there is no Python loop over experts.
+    experts. Work and memory follow the N * k routed pairs (no per-token copies of expert weights), and with
+    torch's grouped GEMM the step has no host sync, so decode stays cheap and compilable.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        X, E, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size or cfg.intermediate_size
+        X, E, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size or cfg.intermediate_size  # noqa: E741
+        self.num_experts = X
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = cfg.norm_topk_prob
         self.gate = nn.Linear(E, X, bias=False)
@@ -109,16 +143,22 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, E)
+        k = self.top_k
         router = torch.softmax(self.gate(x).float(), dim=-1)  # (N, X)
-        weights, chosen = router.topk(self.top_k, dim=-1)  # (N, k)
+        weights, chosen = router.topk(k, dim=-1)  # (N, k)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
-        w_gate_up = self.experts.gate_up_proj[chosen]  # (N, k, 2I, E)
-        h = torch.einsum("ne,nkfe->nkf", x, w_gate_up)  # (N, k, 2I)
+        flat = chosen.reshape(-1)  # (N*k,) expert of each routed pair
+        order = flat.argsort(stable=True)  # pairs grouped by expert
+        token = order // k  # (N*k,) token of each sorted pair
+        offsets = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)  # (X,)
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        grouped = _grouped_mm_ok(x, gate_up, down)
+        h = expert_matmul(x[token], gate_up, offsets, grouped)  # (N*k, 2I)
         gate, up = h.chunk(2, dim=-1)
-        h = self.act(gate) * up  # (N, k, I)
-        out = torch.einsum("nki,nkei->nke", h, self.experts.down_proj[chosen])  # (N, k, E)
-        out = (out * weights.to(out.dtype)[..., None]).sum(1)  # (N, E)
+        h = expert_matmul(self.act(gate) * up, down, offsets, grouped)  # (N*k, E)
+        h = h * weights.reshape(-1)[order, None].to(h.dtype)
+        out = torch.zeros_like(x).index_add_(0, token, h)  # (N, E): sum over each token's k experts
         return out.reshape(shape)
 
 
@@ -163,7 +203,11 @@ class DecoderLayer(nn.Module):
         self.placement = cfg.norm_placement
         self.residual_multiplier = cfg.residual_multiplier
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(E, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
+        self.mlp = (
+            MoE(cfg)
+            if cfg.is_moe_layer(layer)
+            else MLP(E, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
+        )
         self.uses_local_rope = cfg.local_rope is not None and cfg.window(layer) is not None
         # Hugging Face names the norms by position; "post_attention_layernorm" is the pre-MLP norm in
         # pre-norm families and the norm on the attention output in sandwich/post-norm families.
@@ -175,7 +219,9 @@ class DecoderLayer(nn.Module):
         if self.placement in ("sandwich", "post"):
             self.post_feedforward_layernorm = RMSNorm(E, eps, off)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache
+    ) -> torch.Tensor:
         cos, sin = rope
         m = self.residual_multiplier
         if self.placement == "pre":

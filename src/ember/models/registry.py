@@ -1,8 +1,9 @@
 """Architecture name -> Family: how a checkpoint of that family becomes a ModelConfig and Ember weights.
 
-A Family is data, not a subclass: a config function (common fields plus the family's named deltas) and the
+A Family is data, not a subclass: a config function (common fields plus the family's named deltas), the
 table of fused parameters, e.g. `{"qkv_proj": ("q_proj", "k_proj", "v_proj")}` as in vLLM's
-packed_modules_mapping. The generic decoder never asks which family it runs.
+packed_modules_mapping, and the table of stacked MoE expert parameters (hub checkpoints store one tensor per
+expert; Ember holds one (X, out, in) tensor per projection). The generic decoder never asks which family it runs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ DEFAULT_PACKED: Mapping[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 
+# Ember expert parameter (suffix) -> the per-expert checkpoint parameters, `{e}` the expert index: each
+# expert's parts are concatenated on dim 0, then the experts stacked on a new dim 0. A checkpoint that already
+# holds the stacked tensor under the Ember name (transformers' in-memory layout) loads as is.
+DEFAULT_STACKED: Mapping[str, tuple[str, ...]] = {
+    "experts.gate_up_proj": ("experts.{e}.gate_proj.weight", "experts.{e}.up_proj.weight"),
+    "experts.down_proj": ("experts.{e}.down_proj.weight",),
+}
+
 
 @dataclass(frozen=True)
 class Family:
@@ -26,6 +35,7 @@ class Family:
     architectures: tuple[str, ...]
     config: Callable[[dict], ModelConfig]
     packed: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: dict(DEFAULT_PACKED))
+    stacked: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: dict(DEFAULT_STACKED))
     # Checkpoint name -> Hugging Face name for checkpoints that spell weights differently (applied first).
     rename: Callable[[str], str] | None = None
 

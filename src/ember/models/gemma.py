@@ -1,0 +1,62 @@
+"""Gemma 2 and Gemma 3 (text): the family with the most deltas from Llama, each a config field.
+
+Both: RMSNorm weight stored as w and applied as (1 + w); a norm before and after attention and MLP
+("sandwich"); GeGLU (tanh-approximated GELU gate); embeddings scaled by sqrt(hidden); queries scaled by
+`query_pre_attn_scalar` ** -0.5 rather than head_dim ** -0.5; local sliding-window layers between global ones.
+Gemma 2: tanh soft-capping of attention and final logits; local and global layers alternate.
+Gemma 3: RMSNorm on q and k per head (no soft-capping); five local layers per global one, and local layers use
+their own rope base (10k) while global ones use 1M, possibly with scaling.
+"""
+
+from __future__ import annotations
+
+from ember.config import ModelConfig, common_fields, layer_windows, rope_from_hf
+from ember.models.registry import Family, register
+from ember.ops.rope import RopeConfig
+
+
+def _gemma_fields(hf: dict, default_period: int) -> dict:
+    fields = common_fields(hf)
+    n = fields["num_layers"]
+    if hf.get("layer_types") is None and hf.get("sliding_window"):
+        # Hub configs predating `layer_types`: every `period`-th layer is global, the others local.
+        period = int(hf.get("sliding_window_pattern") or default_period)
+        types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)]
+        hf = {**hf, "layer_types": types}
+    return dict(
+        fields,
+        # Gemma calls it hidden_activation; older configs also carry a stale hidden_act.
+        hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
+        norm_placement="sandwich",  # Gemma: norms around both attention and MLP
+        norm_offset=1.0,  # Gemma: norm weight is (1 + w)
+        embedding_multiplier=fields["hidden_size"] ** 0.5,  # Gemma: embeddings scaled by sqrt(hidden)
+        attention_scale=float(hf.get("query_pre_attn_scalar") or fields["head_dim"]) ** -0.5,
+        attn_logit_softcap=hf.get("attn_logit_softcapping"),
+        final_logit_softcap=hf.get("final_logit_softcapping"),
+        layer_windows=layer_windows(hf, n),
+    )
+
+
+def gemma2_config(hf: dict) -> ModelConfig:
+    return ModelConfig(**_gemma_fields(hf, default_period=2))
+
+
+def _local_rope(hf: dict, head_dim: int) -> RopeConfig:
+    params = hf.get("rope_parameters") or {}
+    if "sliding_attention" in params:  # transformers 5: rope parameters keyed by layer type
+        return rope_from_hf(hf, head_dim=head_dim, params=params["sliding_attention"])
+    theta = hf.get("rope_local_base_freq") or 10000.0
+    return rope_from_hf(hf, head_dim=head_dim, params={"rope_theta": theta, "rope_type": "default"})
+
+
+def gemma3_config(hf: dict) -> ModelConfig:
+    fields = _gemma_fields(hf, default_period=6)
+    return ModelConfig(
+        **fields,
+        qk_norm="head",  # Gemma 3: RMSNorm (1 + w) on each head of q and k before rope
+        local_rope=_local_rope(hf, fields["head_dim"]),  # Gemma 3: sliding layers use their own rope base
+    )
+
+
+GEMMA2 = register(Family("gemma2", ("Gemma2ForCausalLM",), gemma2_config))
+GEMMA3 = register(Family("gemma3", ("Gemma3ForCausalLM",), gemma3_config))

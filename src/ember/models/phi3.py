@@ -1,0 +1,22 @@
+"""Phi-3 / Phi-3.5 / Phi-4-mini: Llama with projections already fused in the checkpoint, and LongRoPE.
+
+The checkpoint stores `qkv_proj` and `gate_up_proj` exactly as Ember does, so nothing is packed at load time.
+LongRoPE ("su" in early configs) rescales each rotary frequency by a short or long factor list, switching to
+the long one once the sequence passes `original_max_position_embeddings`; Phi-4-mini rotates only part of each
+head (`partial_rotary_factor`). Both are read by the generic rope config.
+"""
+
+from __future__ import annotations
+
+from ember.config import ModelConfig, common_fields, layer_windows
+from ember.models.registry import Family, register
+
+
+def phi3_config(hf: dict) -> ModelConfig:
+    fields = common_fields(hf)
+    # Phi-3: the sliding window (when the config sets one) applies to every layer.
+    return ModelConfig(**fields, layer_windows=layer_windows(hf, fields["num_layers"]))
+
+
+# Phi-3: q/k/v and gate/up are fused in the checkpoint already.
+PHI3 = register(Family("phi3", ("Phi3ForCausalLM",), phi3_config, packed={}))

@@ -1,0 +1,229 @@
+"""Every family against transformers: logits for a prompt longer than the sliding window, for every cached
+decode step, and the greedy continuation, on tiny random checkpoints saved as real safetensors (fp32, eager).
+
+Each case turns on its family's quirks: head_dim != hidden / heads, tied and untied embeddings, biases, q/k
+norms, soft-capping, sliding windows shorter than the prompt, local/global rope bases, rope scaling, MoE with
+dense layers in between, Granite's multipliers, OLMo 2's post-norms.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from ember.engine.kv_cache import StaticKVCache
+from ember.errors import UnsupportedArchitectureError
+from ember.loading.safetensors import SafetensorsSource, read_hf_config
+from ember.loading.weights import build_model
+from ember.models import config_from_hf, get_family, supported_architectures
+
+BASE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+PROMPT, MAX_SEQ = 20, 64
+# Phi-3 LongRoPE switches to the long factors past this length; prompts and splits stay beyond it.
+PHI3_ORIGINAL_CTX = 8
+
+
+def _longrope(rotary_dim: int) -> dict:
+    half = rotary_dim // 2
+    return dict(
+        rope_type="longrope",
+        short_factor=[1.0 + 0.1 * i for i in range(half)],
+        long_factor=[1.5 + 0.5 * i for i in range(half)],
+    )
+
+
+# case -> (transformers architecture, config overrides, prefill length of the cached run)
+CASES: dict[str, tuple[str, dict, int]] = {
+    "qwen2-bias-tied-window": (
+        "Qwen2",
+        dict(tie_word_embeddings=True, use_sliding_window=True, sliding_window=7, max_window_layers=1),
+        5,
+    ),
+    "qwen3-head_dim-yarn": (
+        "Qwen3",
+        dict(
+            head_dim=24,
+            rope_parameters=dict(
+                rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64
+            ),
+        ),
+        5,
+    ),
+    "qwen3-moe": (
+        "Qwen3Moe",
+        dict(
+            head_dim=32,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+        ),
+        5,
+    ),
+    "gemma2": (
+        "Gemma2",
+        dict(
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=6,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        ),
+        4,
+    ),
+    "gemma3-linear-rope": (
+        "Gemma3Text",
+        dict(
+            head_dim=32,
+            sliding_window=6,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters=dict(
+                full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                sliding_attention=dict(rope_type="default", rope_theta=1e4),
+            ),
+            tie_word_embeddings=False,
+        ),
+        4,
+    ),
+    "phi3-longrope-partial": (
+        "Phi3",
+        dict(
+            partial_rotary_factor=0.5,
+            original_max_position_embeddings=PHI3_ORIGINAL_CTX,
+            rope_parameters=dict(rope_theta=10000.0, **_longrope(8)),
+            sliding_window=None,
+        ),
+        PHI3_ORIGINAL_CTX + 2,
+    ),
+    "phi3-window-tied": (
+        "Phi3",
+        dict(sliding_window=7, tie_word_embeddings=True),
+        5,
+    ),
+    "granite": (
+        "Granite",
+        dict(
+            embedding_multiplier=12.0,
+            residual_multiplier=0.22,
+            attention_multiplier=0.05,
+            logits_scaling=8.0,
+            attention_bias=True,
+        ),
+        5,
+    ),
+    "mixtral-window": (
+        "Mixtral",
+        dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=7, intermediate_size=64),
+        5,
+    ),
+    "olmo2": ("Olmo2", dict(), 5),
+}
+
+
+def _reference(case: str) -> transformers.PreTrainedModel:
+    arch, extra, _ = CASES[case]
+    config_cls = getattr(transformers, f"{arch}Config")
+    model_cls = getattr(transformers, f"{arch.removesuffix('Text')}ForCausalLM")
+    config = config_cls(**{**BASE, **extra}, attn_implementation="eager")
+    model = model_cls(config).eval()
+    # Random init leaves norms at their identity; perturb them so a misplaced or missing norm shows.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def pair(request, tmp_path_factory):
+    torch.manual_seed(0)
+    ref = _reference(request.param)
+    path = tmp_path_factory.mktemp(request.param)
+    ref.save_pretrained(path)
+    cfg = config_from_hf(read_hf_config(path))
+    model = build_model(
+        cfg,
+        get_family(cfg.architecture),
+        SafetensorsSource(path),
+        device="cpu",
+        dtype=torch.float32,
+        origin="t",
+    )
+    return request.param, ref, model
+
+
+def run_cached(model, ids: torch.Tensor, split: int) -> torch.Tensor:
+    """Prefill ids[:, :split], then decode the rest one token at a time; logits (B, T, V) for every position."""
+    cache = StaticKVCache(
+        model.config, batch_size=ids.shape[0], max_seq_len=MAX_SEQ, device="cpu", dtype=torch.float32
+    )
+    pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
+    outs = [model.compute_logits(model(ids[:, :split], pos[:, :split], cache))]
+    for t in range(split, ids.shape[1]):
+        outs.append(model.compute_logits(model(ids[:, t : t + 1], pos[:, t : t + 1], cache)))
+    return torch.cat(outs, dim=1)
+
+
+def greedy(model, prompt: list[int], n: int) -> list[int]:
+    cache = StaticKVCache(model.config, batch_size=1, max_seq_len=MAX_SEQ, device="cpu", dtype=torch.float32)
+    tokens, out = torch.tensor([prompt]), []
+    pos = torch.arange(len(prompt))[None]
+    for _ in range(n):
+        nxt = model.compute_logits(model(tokens, pos, cache))[0, -1].argmax()
+        out.append(int(nxt))
+        tokens, pos = nxt.view(1, 1), pos[:, -1:] + 1
+    return out
+
+
+@torch.no_grad()
+def test_logits_match_transformers(pair):
+    case, ref, model = pair
+    ids = torch.randint(3, BASE["vocab_size"], (2, PROMPT))
+    expected = ref(ids).logits
+    assert (run_cached(model, ids, split=PROMPT) - expected).abs().max() <= 1e-4
+    # A short prefill, then decode steps that run past the sliding window: every cached step matches.
+    assert (run_cached(model, ids, split=CASES[case][2]) - expected).abs().max() <= 1e-4
+
+
+@torch.no_grad()
+def test_greedy_continuation_matches_transformers(pair):
+    case, ref, model = pair
+    prompt = torch.randint(3, BASE["vocab_size"], (1, max(CASES[case][2], 9)))
+    n = 16
+    expected = ref.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    assert greedy(model, prompt[0].tolist(), n) == expected[0, prompt.shape[1] :].tolist()
+
+
+def test_unsupported_architecture_lists_supported():
+    with pytest.raises(UnsupportedArchitectureError) as err:
+        get_family("FalconForCausalLM")
+    msg = str(err.value)
+    assert "\n" not in msg and "'FalconForCausalLM'" in msg
+    for arch in ("Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Phi3ForCausalLM"):
+        assert arch in msg
+    assert set(supported_architectures()) >= {
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+        "Phi3ForCausalLM",
+        "GraniteForCausalLM",
+        "MixtralForCausalLM",
+        "Olmo2ForCausalLM",
+    }
