@@ -116,6 +116,7 @@ class ChatCompletionRequest(_Strict):
     top_k: Annotated[int, Field(ge=-1)] | None = None  # 0 or -1: off
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    ignore_eos: bool = False  # generate max_tokens even past EOS (benchmarks)
     # ------------------------------------------------------------------------------------------------------
 
 
@@ -140,6 +141,7 @@ class CompletionRequest(_Strict):
     top_k: Annotated[int, Field(ge=-1)] | None = None  # 0 or -1: off
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    ignore_eos: bool = False  # generate max_tokens even past EOS (benchmarks)
     # ------------------------------------------------------------------------------------------------------
 
 

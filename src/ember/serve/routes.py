@@ -234,6 +234,7 @@ def sampling_params(
             stop=tuple(stop),
             logprobs=logprobs,
             logit_bias=bias,
+            ignore_eos=req.ignore_eos,
             **knobs,
         )
     except EmberError as e:
