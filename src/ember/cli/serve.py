@@ -13,9 +13,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 
-from ember.cli.common import add_model_options, model_name
+from ember.cli.common import add_model_options, load_llm, model_name
 
 log = logging.getLogger(__name__)
 
@@ -71,26 +70,17 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ember.engine.core import EngineConfig
-    from ember.llm import LLM
     from ember.serve import ServerLimits, create_app
     from ember.serve.app import begin_drain
 
     name = model_name(args)
-    engine_config = EngineConfig(
+    llm = load_llm(args)  # every model option, as the other subcommands read them
+    # The batching engine is created on first use (by create_app), so its settings can still be set here.
+    llm.engine_config = EngineConfig(
         max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens,
         kv_cache_memory=int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
         prefix_caching=not args.no_prefix_caching,
-    )
-    llm = LLM(
-        name,
-        device=args.device,
-        dtype=args.dtype,
-        max_seq_len=args.max_seq_len,
-        compile=args.compile,
-        allow_pickle=args.allow_pickle,
-        progress=sys.stderr.isatty(),
-        engine_config=engine_config,
     )
     limits = ServerLimits(
         max_body_bytes=int(args.max_body_mib * 2**20),
