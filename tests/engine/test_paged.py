@@ -170,3 +170,14 @@ def test_block_manager_refcounts_and_lru_eviction():
     assert bm.match_prefix(h) == [a[0]]
     assert bm.allocate(2) is None  # only 1 left: nothing taken
     assert bm.num_available() == 1
+
+
+def test_bad_token_ids_are_refused_before_queuing(windowed_llm):
+    from ember.errors import InvalidParameterError
+
+    core = windowed_llm.engine()
+    with pytest.raises(InvalidParameterError, match="logit_bias token id 999999"):
+        core.add_request("x", [5, 6], ember.SamplingParams(logit_bias={999999: 1.0}))
+    with pytest.raises(InvalidParameterError, match="prompt token id -1"):
+        core.add_request("y", [5, -1], ember.SamplingParams())
+    assert not core.has_work()

@@ -22,7 +22,7 @@ from ember.engine.paged_cache import PagedBatch, PagedKVCache
 from ember.engine.request import Request, RequestUpdate, Status
 from ember.engine.sampler import SamplingParams, SamplingTensors, apply_penalties, make_generator, sample
 from ember.engine.scheduler import Scheduler, SchedulerOutput
-from ember.errors import ContextLengthError, EmberError
+from ember.errors import ContextLengthError, EmberError, InvalidParameterError
 from ember.loading.checkpoint import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -212,7 +212,11 @@ class EngineCore:
         V = self.loaded.config.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < V]
         if bad:
-            raise EmberError(f"prompt token id {bad[0]} is outside the vocabulary [0, {V})")
+            raise InvalidParameterError(f"prompt token id {bad[0]} is outside the vocabulary [0, {V})")
+        # Checked here, not in the engine step, where one bad request would fail the whole batch.
+        bad = [t for t in params.logit_bias if not 0 <= int(t) < V]
+        if bad:
+            raise InvalidParameterError(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {V})")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         self.validate(prompt_ids, params)
