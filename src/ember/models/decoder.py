@@ -87,7 +87,7 @@ class MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-def _grouped_mm_ok(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
     """Whether torch's grouped matmul runs here: a CPU fallback or bf16 on CUDA (sm80+), 16-byte aligned rows."""
     if not hasattr(F, "grouped_mm"):
         return False
@@ -153,7 +153,7 @@ class MoE(nn.Module):
         token = order // k  # (N*k,) token of each sorted pair
         offsets = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)  # (X,)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        grouped = _grouped_mm_ok(x, gate_up, down)
+        grouped = grouped_mm_supported(x, gate_up, down)
         h = expert_matmul(x[token], gate_up, offsets, grouped)  # (N*k, 2I)
         gate, up = h.chunk(2, dim=-1)
         h = expert_matmul(self.act(gate) * up, down, offsets, grouped)  # (N*k, E)
