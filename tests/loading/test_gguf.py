@@ -442,10 +442,10 @@ def _ember_model(cfg: dict, state_dict: dict[str, torch.Tensor]):
     )
 
 
-def _cache(config, length: int):
+def _cache(config, length: int, batch: int = 1):
     from ember.engine.kv_cache import StaticKVCache
 
-    return StaticKVCache(config, batch_size=1, max_seq_len=length, device="cpu", dtype=torch.float32)
+    return StaticKVCache(config, batch_size=batch, max_seq_len=length, device="cpu", dtype=torch.float32)
 
 
 def _fuse_experts(sd: dict[str, torch.Tensor], n_exp: int) -> dict[str, torch.Tensor]:
@@ -514,3 +514,77 @@ def test_tiny_k_quants_and_dtype(tmp_path):
     assert all(v.dtype == torch.bfloat16 for v in bf16.values())
     k = "model.layers.0.self_attn.k_proj.weight"
     assert torch.equal(bf16[k], ours[k].bfloat16())
+
+
+def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's q/k row order (interleaved rope pairs), the inverse of what the loader undoes."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@torch.no_grad()
+def test_mixtral_gguf_loads_and_matches_transformers(tmp_path):
+    """Mixtral as llama.cpp writes it (llama arch, stacked experts, permuted q/k) runs like the HF model.
+
+    transformers cannot read a Mixtral GGUF, so the file is written here from a transformers model's weights
+    and Ember's logits from the file are compared with that model's.
+    """
+    n_exp, layers = 4, 2
+    ref = transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(
+            hidden_size=E,
+            intermediate_size=I,
+            num_hidden_layers=layers,
+            num_attention_heads=H,
+            num_key_value_heads=KV,
+            vocab_size=V,
+            num_local_experts=n_exp,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            attn_implementation="eager",
+            rms_norm_eps=1e-5,
+        )
+    ).eval()
+    sd = {k: v.numpy() for k, v in ref.state_dict().items()}
+    path = tmp_path / "tiny-mixtral.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(layers)
+    w.add_context_length(256)
+    w.add_embedding_length(E)
+    w.add_feed_forward_length(I)
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(ref.config.rope_parameters["rope_theta"])
+    w.add_rope_dimension_count(E // H)
+    w.add_vocab_size(V)
+    w.add_expert_count(n_exp)
+    w.add_expert_used_count(2)
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    w.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    w.add_tensor("output.weight", sd["lm_head.weight"])
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        experts = ref.model.layers[i].mlp.experts  # transformers holds them stacked: gate_up (X, 2I, E)
+        gate, up = experts.gate_up_proj.detach().numpy().reshape(n_exp, 2, I, E).swapaxes(0, 1)
+        for name, t in {
+            "attn_norm": sd[p + "input_layernorm.weight"],
+            "attn_q": _llama_cpp_permute(sd[p + "self_attn.q_proj.weight"], H),
+            "attn_k": _llama_cpp_permute(sd[p + "self_attn.k_proj.weight"], KV),
+            "attn_v": sd[p + "self_attn.v_proj.weight"],
+            "attn_output": sd[p + "self_attn.o_proj.weight"],
+            "ffn_norm": sd[p + "post_attention_layernorm.weight"],
+            "ffn_gate_inp": sd[p + "mlp.gate.weight"],
+            "ffn_gate_exps": np.ascontiguousarray(gate),
+            "ffn_up_exps": np.ascontiguousarray(up),
+            "ffn_down_exps": experts.down_proj.detach().numpy(),
+        }.items():
+            w.add_tensor(f"blk.{i}.{name}.weight", t)
+    _write(w)
+
+    reader = read_gguf(path)
+    cfg = gguf_to_hf_config(reader)
+    assert cfg["architectures"] == ["MixtralForCausalLM"] and cfg["num_local_experts"] == n_exp
+    model = _ember_model(cfg, load_gguf_state_dict(reader))
+    ids = torch.randint(0, V, (2, 12))
+    got = model.compute_logits(model(ids, torch.arange(12)[None].expand(2, -1), _cache(model.config, 12, 2)))
+    assert (got - ref(ids).logits).abs().max() <= 1e-4

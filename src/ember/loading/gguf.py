@@ -144,6 +144,14 @@ _MOE: dict[str, _Entry] = {
     "blk.{i}.ffn_up_exps.weight": ("model.layers.{i}.mlp.experts.{e}.up_proj.weight", ("MI", "E")),
     "blk.{i}.ffn_down_exps.weight": ("model.layers.{i}.mlp.experts.{e}.down_proj.weight", ("E", "MI")),
 }
+# Mixtral: llama.cpp writes it as a llama-arch file with stacked experts; the targets are the hub names
+# (block_sparse_moe, w1 = gate, w3 = up, w2 = down) that Mixtral checkpoints use.
+_MIXTRAL_MOE: dict[str, _Entry] = {
+    "blk.{i}.ffn_gate_inp.weight": ("model.layers.{i}.block_sparse_moe.gate.weight", ("X", "E")),
+    "blk.{i}.ffn_gate_exps.weight": ("model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight", ("I", "E")),
+    "blk.{i}.ffn_up_exps.weight": ("model.layers.{i}.block_sparse_moe.experts.{e}.w3.weight", ("I", "E")),
+    "blk.{i}.ffn_down_exps.weight": ("model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight", ("E", "I")),
+}
 # Phi-3 keeps HF's fused projections (llama.cpp calls the fused gate/up tensor ffn_up).
 _PHI3: dict[str, _Entry] = {
     "blk.{i}.attn_norm.weight": ("model.layers.{i}.input_layernorm.weight", ("E",)),
@@ -212,6 +220,12 @@ def _qwen3moe_config(meta: dict[str, object], arch: str, cfg: dict) -> None:
     cfg["mlp_only_layers"] = []
     # llama.cpp renormalizes the top-k router weights for qwen3moe; HF's default is False.
     cfg["norm_topk_prob"] = True
+
+
+def _mixtral_config(meta: dict[str, object], arch: str, cfg: dict) -> None:
+    cfg["num_local_experts"] = meta[f"{arch}.expert_count"]
+    cfg["num_experts_per_tok"] = meta[f"{arch}.expert_used_count"]
+    cfg["sliding_window"] = meta.get(f"{arch}.attention.sliding_window")
 
 
 def _phi3_config(meta: dict[str, object], arch: str, cfg: dict) -> None:
@@ -290,11 +304,24 @@ _FAMILIES: dict[str, _Family] = {
 }
 
 
+_MIXTRAL = _Family(
+    "MixtralForCausalLM",
+    "mixtral",
+    {**_EMBED, **_NORMS, **_ATTN, **_MIXTRAL_MOE, **_ROPE_FREQS},
+    permute_qk=True,
+    extra_config=_mixtral_config,
+)
+
+
 def _family(reader: gguf.GGUFReader) -> tuple[str, _Family]:
     field_ = reader.fields.get("general.architecture")
     if field_ is None:
         raise CheckpointError("GGUF file has no general.architecture key")
     arch = str(field_.contents())
+    expert_count = reader.fields.get(f"{arch}.expert_count")
+    if arch == "llama" and expert_count is not None and int(expert_count.contents()) > 0:
+        # Mixtral is a llama-arch file with experts; the architecture key stays "llama" for the metadata.
+        return arch, _MIXTRAL
     if arch not in _FAMILIES:
         raise UnsupportedArchitectureError(
             f"GGUF architecture {arch!r} is not supported; supported: {', '.join(sorted(_FAMILIES))}"
@@ -414,7 +441,7 @@ def _dims(cfg: dict) -> dict[str, int]:
         "I": inter,
         "I2": 2 * inter,
         "MI": cfg.get("moe_intermediate_size") or 0,
-        "X": cfg.get("num_experts") or 0,
+        "X": cfg.get("num_experts") or cfg.get("num_local_experts") or 0,
     }
 
 
