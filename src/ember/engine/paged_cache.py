@@ -52,6 +52,8 @@ class PagedKVCache:
         self.device = torch.device(device)
         self.batch: PagedBatch | None = None
         self._masks: dict = {}
+        self._decode_slots: torch.Tensor | None = None
+        self._prefill_slots: list[torch.Tensor] = []
         self.windows = {cfg.window(i) for i in range(cfg.num_layers)}
 
     @staticmethod
@@ -61,30 +63,31 @@ class PagedKVCache:
     def set_batch(self, batch: PagedBatch) -> None:
         self.batch = batch
 
+    def _slots(self, tables: torch.Tensor, length: int | None = None) -> torch.Tensor:
+        """Block tables (B, nb) -> the cache slots of their tokens (B, S), S = nb * block_size (or `length`)."""
+        offsets = torch.arange(self.block_size, device=self.device)
+        slots = (tables[:, :, None] * self.block_size + offsets).flatten(1)  # (B, S)
+        return slots if length is None else slots[:, :length]
+
     def begin(self, positions: torch.Tensor) -> None:
+        """Per step, not per layer: the slots each group reads and the masks for each window."""
         b = self.batch
         assert b is not None, "PagedKVCache.set_batch() must run before the forward"
-        # The decode group's masks are the same for every layer with the same window: build them once.
         self._masks = {}
+        self._decode_slots = None
         if len(b.decode_index):
-            S = b.decode_tables.shape[1] * self.block_size
-            k_pos = torch.arange(S, device=self.device)[None]  # (1, S)
+            self._decode_slots = self._slots(b.decode_tables)  # (Bd, S)
+            k_pos = torch.arange(self._decode_slots.shape[1], device=self.device)[None]  # (1, S)
             q_pos = (b.decode_lens - 1)[:, None]  # (Bd, 1)
             for w in self.windows:
                 self._masks[("decode", w)] = causal_mask(q_pos, k_pos, w)  # (Bd, 1, 1, S)
-        for i, (start, n, _, ctx) in enumerate(b.prefills):
+        self._prefill_slots = []
+        for i, (start, n, table, ctx) in enumerate(b.prefills):
+            self._prefill_slots.append(self._slots(table[None], ctx))  # (1, ctx)
             q_pos = positions[:, start : start + n]  # (1, n)
             k_pos = torch.arange(ctx, device=self.device)[None]  # (1, ctx)
             for w in self.windows:
                 self._masks[(i, w)] = causal_mask(q_pos, k_pos, w)  # (1, 1, n, ctx)
-
-    def _gather(self, pool: torch.Tensor, tables: torch.Tensor, length: int | None = None) -> torch.Tensor:
-        """pool (slots, K, D), tables (B, nb) -> (B, K, S, D) with S = nb * block_size (or `length`)."""
-        offsets = torch.arange(self.block_size, device=self.device)
-        slots = (tables[:, :, None] * self.block_size + offsets).flatten(1)  # (B, S)
-        if length is not None:
-            slots = slots[:, :length]
-        return pool[slots].transpose(1, 2)  # (B, K, S, D)
 
     def attend(
         self,
@@ -104,16 +107,16 @@ class PagedKVCache:
         k_pool[b.slot_mapping] = k[0]
         v_pool[b.slot_mapping] = v[0]
         out = torch.empty_like(q[0])  # (N, H, D)
-        if len(b.decode_index):
+        if self._decode_slots is not None:
             qd = q[0, b.decode_index][:, :, None]  # (Bd, H, 1, D)
-            kd = self._gather(k_pool, b.decode_tables)  # (Bd, K, S, D)
-            vd = self._gather(v_pool, b.decode_tables)
+            kd = k_pool[self._decode_slots].transpose(1, 2)  # (Bd, K, S, D)
+            vd = v_pool[self._decode_slots].transpose(1, 2)
             od = sdpa_attention(qd, kd, vd, self._masks[("decode", window)], scale=scale, softcap=softcap)
             out[b.decode_index] = od[:, :, 0]
-        for i, (start, n, table, ctx) in enumerate(b.prefills):
+        for i, (start, n, _, _) in enumerate(b.prefills):
             qp = q[:, start : start + n].transpose(1, 2)  # (1, H, n, D)
-            kp = self._gather(k_pool, table[None], ctx)  # (1, K, ctx, D)
-            vp = self._gather(v_pool, table[None], ctx)
+            kp = k_pool[self._prefill_slots[i]].transpose(1, 2)  # (1, K, ctx, D)
+            vp = v_pool[self._prefill_slots[i]].transpose(1, 2)
             op = sdpa_attention(qp, kp, vp, self._masks[(i, window)], scale=scale, softcap=softcap)
             out[start : start + n] = op[0].transpose(0, 1)
         return out[None]
