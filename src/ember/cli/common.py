@@ -20,15 +20,28 @@ def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = Fal
         default=None,
         help=f"alias, HF directory, .gguf file or cached repo id (default: {DEFAULT_MODEL}; see `ember list`)",
     )
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)")
+    parser.add_argument(
+        "--device", default=None, help="cpu, cuda, cuda:N or mps (default: the best available)"
+    )
     parser.add_argument(
         "--dtype",
         default="auto",
         choices=["auto", "float32", "bfloat16", "float16"],
         help="weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)",
     )
-    parser.add_argument("--max-seq-len", type=int, default=None, help="cap the context (and the KV cache) length")
+    parser.add_argument(
+        "--max-seq-len", type=int, default=None, help="cap the context (and the KV cache) length"
+    )
     parser.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
+    parser.add_argument(
+        "--compile-prefill", action="store_true", help="also compile the prefill (dynamic shapes)"
+    )
+    parser.add_argument(
+        "--quantize",
+        default=None,
+        metavar="SCHEME",
+        help="quantize weights after loading: int8, int4 (group 128), int4-g32/g64/g256, int8-dyn (CPU)",
+    )
     parser.add_argument(
         "--allow-pickle",
         action="store_true",
@@ -79,6 +92,8 @@ def load_llm(args: argparse.Namespace):
         dtype=args.dtype,
         max_seq_len=args.max_seq_len,
         compile=args.compile,
+        compile_prefill=args.compile_prefill,
+        quantize=args.quantize,
         allow_pickle=args.allow_pickle,
         progress=sys.stderr.isatty(),
     )

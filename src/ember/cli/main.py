@@ -11,7 +11,7 @@ import importlib
 import logging
 import sys
 
-SUBCOMMANDS = ("generate", "chat", "serve", "browser", "list", "download")
+SUBCOMMANDS = ("generate", "chat", "serve", "browser", "list", "download", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -140,7 +140,8 @@ class Generator:
             mode = "reduce-overhead" if device.type == "cuda" else None
             self._decode = torch.compile(self._forward, mode=mode, fullgraph=True, dynamic=False)
         if compile_prefill:
-            self._prefill = torch.compile(self._forward, fullgraph=True, dynamic=True)
+            # Only the token dimension varies (marked dynamic per call); head counts stay static ints.
+            self._prefill = torch.compile(self._forward, fullgraph=True, dynamic=None)
         self.timings = Timings()
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
@@ -201,6 +202,9 @@ class Generator:
         start = time.perf_counter()
         tokens = torch.tensor([prompt], device=self.device)  # (1, T)
         positions = torch.arange(len(prompt), device=self.device)[None]  # (1, T)
+        if self._prefill is not self._forward and len(prompt) > 1:  # size-1 dims are specialised
+            torch._dynamo.mark_dynamic(tokens, 1)
+            torch._dynamo.mark_dynamic(positions, 1)
         token, extra = pick(self._prefill(tokens, positions, cache))
         step_pos = torch.tensor([[len(prompt)]], device=self.device)  # (1, 1), advanced in place
         decode_start = start

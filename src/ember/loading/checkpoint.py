@@ -49,7 +49,9 @@ def pick_device(device: str | None) -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise EmberError(f"device {device!r} is not a torch device; expected cpu, cuda, cuda:N or mps") from None
+        raise EmberError(
+            f"device {device!r} is not a torch device; expected cpu, cuda, cuda:N or mps"
+        ) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise EmberError(f"device {device!r} asked for, but this torch build sees no CUDA device")
     return dev
@@ -82,7 +84,9 @@ def load(
     dtype: str | None = None,
     allow_pickle: bool = False,
     progress: bool = True,
+    quantize: str | None = None,
 ) -> LoadedModel:
+    """`quantize` names an `ember.quant` scheme (int8, int4, int4-g32, int8-dyn ...) applied after loading."""
     start = time.perf_counter()
     resolved: ResolvedModel = resolve(name)
     dev = pick_device(device)
@@ -107,11 +111,19 @@ def load(
         gen = _generation_config(resolved.path)
         extra_eos = _ids(gen.get("eos_token_id"))
         gen_defaults = {
-            k: gen[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty") if gen.get(k) is not None
+            k: gen[k]
+            for k in ("temperature", "top_p", "top_k", "repetition_penalty")
+            if gen.get(k) is not None
         }
         if gen.get("do_sample") is False:
             gen_defaults["temperature"] = 0.0
-    model = build_model(cfg, family, source, device=dev, dtype=dt, origin=str(resolved.path), progress=progress)
+    model = build_model(
+        cfg, family, source, device=dev, dtype=dt, origin=str(resolved.path), progress=progress
+    )
+    if quantize:
+        from ember.quant import quantize_model
+
+        model = quantize_model(model, quantize)
     eos = tuple(dict.fromkeys(extra_eos + tuple(tokenizer.eos_token_ids) + cfg.eos_token_ids))
     if not eos:
         raise CheckpointError(f"{resolved.path}: no end-of-sequence token id in the config or tokenizer")

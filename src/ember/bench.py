@@ -1,0 +1,276 @@
+"""Measures single-stream prefill and decode: tokens/s, time to first token, achieved weight bandwidth, memory.
+
+Decoding one stream reads every weight once per step, so the figure that says how close a run is to the
+hardware is the achieved bandwidth: bytes of weights read per step x decode steps / decode time, against the
+device's measured copy bandwidth (bytes read + written by a large device copy). The weights read per step are
+every parameter and quantized buffer except the embedding table, of which a step reads one row (unless the
+table is tied to the output projection, which reads all of it).
+
+`random_model` builds a real architecture's shape with random weights (`RANDOM_SHAPES`), so GPU benchmarks
+need no download. Everything here is plain functions; `ember bench` (cli/bench.py) prints what they return.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ember.engine.generate import Generator
+from ember.engine.sampler import SamplingParams
+from ember.models.decoder import Decoder
+
+# Hugging Face config.json fields of real models, for random-weight benchmarks.
+_LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
+RANDOM_SHAPES: dict[str, dict] = {
+    "llama-3-8b": dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+    ),
+    "llama-3.2-1b": dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=dict(_LLAMA3_ROPE, factor=32.0),
+        tie_word_embeddings=True,
+    ),
+    "smollm2-135m": dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    ),
+    # For tests: a few layers, a few seconds on one core.
+    "tiny": dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+@torch.no_grad()
+def random_model(shape: str, *, device: torch.device | str, dtype: torch.dtype, seed: int = 0) -> Decoder:
+    """A Decoder of a real model's shape (a key of RANDOM_SHAPES) with N(0, 0.02) weights and unit norms."""
+    from ember.errors import EmberError
+    from ember.models import config_from_hf
+
+    if shape not in RANDOM_SHAPES:
+        raise EmberError(
+            f"random-weight shape {shape!r} is unknown; expected one of {', '.join(RANDOM_SHAPES)}"
+        )
+    cfg = config_from_hf(RANDOM_SHAPES[shape])
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+    model.init_buffers(device)
+    return model.eval().requires_grad_(False)
+
+
+def weight_bytes_per_step(model: Decoder) -> int:
+    """Bytes of weights one decode step reads: every parameter and buffer the kernels read, once.
+
+    The embedding table counts only when it is also the output projection (one row is read otherwise);
+    a quantized module counts the buffers its kernel reads (`QuantLinear.bytes_read`), not its saved form.
+    """
+    from ember.quant.linear import QuantLinear
+
+    embed = model.model.embed_tokens
+    head_is_embedding = model.config.tie_word_embeddings and not isinstance(
+        getattr(model, "lm_head", None), QuantLinear
+    )
+    total = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            total += module.bytes_read()
+            continue
+        if module is embed and not head_is_embedding:
+            continue
+        for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            if t.dtype.is_floating_point and t.dim() >= 1 and t.numel() > 1:
+                total += t.numel() * t.element_size()
+    return total
+
+
+def copy_bandwidth(device: torch.device, *, nbytes: int | None = None, repeats: int = 10) -> float:
+    """Bytes per second (read + written) of a large device-to-device copy: the ceiling a decode step sees."""
+    nbytes = nbytes or (2 << 30 if device.type == "cuda" else 256 << 20)
+    src = torch.randn(nbytes // 4, device=device)  # random data: zeros can copy faster than real weights
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    del src, dst
+    return 2 * nbytes / _median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    return s[len(s) // 2]
+
+
+@dataclass
+class BenchResult:
+    model: str
+    device: str
+    dtype: str
+    quantize: str | None
+    compile: bool
+    threads: int
+    prompt_tokens: int
+    new_tokens: int
+    repeats: int
+    weight_bytes_per_step: int
+    prefill_tokens_per_s: float
+    time_to_first_token_s: float
+    decode_tokens_per_s: float
+    total_tokens_per_s: float  # new tokens over the whole call (prefill included), as peers often report
+    decode_bandwidth_gb_s: float
+    device_bandwidth_gb_s: float | None
+    decode_bandwidth_pct: float | None
+    peak_memory_mb: float
+    runs: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss is in KiB on Linux: the process's peak resident set, weights and activations included.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_bench(
+    model: Decoder,
+    *,
+    name: str,
+    device: torch.device,
+    prompt_tokens: int = 128,
+    new_tokens: int = 256,
+    repeats: int = 3,
+    warmup: int = 1,
+    compile: bool = False,
+    compile_prefill: bool = False,
+    quantize: str | None = None,
+    measure_device: bool = True,
+    seed: int = 0,
+) -> BenchResult:
+    """Generates `new_tokens` greedily after a random `prompt_tokens` prompt, `warmup` + `repeats` times.
+
+    Reports the median of the timed repeats. EOS is ignored so every run decodes exactly `new_tokens`.
+    """
+    context = prompt_tokens + new_tokens
+    gen = Generator(model, device=device, context=context, compile=compile, compile_prefill=compile_prefill)
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, model.config.vocab_size, (prompt_tokens,), generator=g).tolist()
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    runs = []
+    for i in range(warmup + repeats):
+        _sync(device)
+        start = time.perf_counter()
+        for _ in gen.generate(prompt, params, (), None):
+            pass
+        _sync(device)
+        total = time.perf_counter() - start
+        t = gen.timings
+        if i >= warmup:
+            runs.append(
+                dict(
+                    prefill_tokens_per_s=t.prefill_tokens_per_s,
+                    time_to_first_token_s=t.first_token_s,
+                    decode_tokens_per_s=t.decode_tokens_per_s,
+                    total_tokens_per_s=new_tokens / total,
+                )
+            )
+    med = {k: _median([r[k] for r in runs]) for k in runs[0]}
+    wbytes = weight_bytes_per_step(model)
+    achieved = wbytes * med["decode_tokens_per_s"] / 1e9
+    limit = copy_bandwidth(device) / 1e9 if measure_device else None
+    peak = peak_memory_mb(device)
+    del gen
+    gc.collect()
+    return BenchResult(
+        model=name,
+        device=str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
+        dtype=str(_activation_dtype(model)).removeprefix("torch."),
+        quantize=quantize,
+        compile=compile,
+        threads=torch.get_num_threads(),
+        prompt_tokens=prompt_tokens,
+        new_tokens=new_tokens,
+        repeats=repeats,
+        weight_bytes_per_step=wbytes,
+        prefill_tokens_per_s=round(med["prefill_tokens_per_s"], 2),
+        time_to_first_token_s=round(med["time_to_first_token_s"], 5),
+        decode_tokens_per_s=round(med["decode_tokens_per_s"], 2),
+        total_tokens_per_s=round(med["total_tokens_per_s"], 2),
+        decode_bandwidth_gb_s=round(achieved, 2),
+        device_bandwidth_gb_s=round(limit, 1) if limit else None,
+        decode_bandwidth_pct=round(100 * achieved / limit, 1) if limit else None,
+        peak_memory_mb=round(peak, 1),
+        runs=runs,
+    )
+
+
+def _activation_dtype(model: Decoder) -> torch.dtype:
+    return model.model.norm.weight.dtype

@@ -1,0 +1,100 @@
+"""`ember bench [MODEL]`: prefill and decode speed of one stream, and how close decode gets to memory bandwidth.
+
+Prints, for prefill and decode: tokens/s, time to first token, achieved weight bandwidth (weight bytes read
+per step x steps / time) and its share of the device's measured copy bandwidth, and peak memory. `--json`
+prints one object for scripts. `--random-weights llama-3-8b` benchmarks a real shape with random weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+
+import torch
+
+from ember.cli.common import add_model_options, model_name
+
+log = logging.getLogger(__name__)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from ember.bench import RANDOM_SHAPES
+
+    p = sub.add_parser("bench", help="measure prefill and decode speed of one stream", description=__doc__)
+    add_model_options(p, positional=True)
+    p.add_argument(
+        "--random-weights",
+        default=None,
+        metavar="SHAPE",
+        choices=sorted(RANDOM_SHAPES),
+        help=f"random weights of a real model's shape instead of a checkpoint: {', '.join(RANDOM_SHAPES)}",
+    )
+    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default: 128)")
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens to generate per run (default: 256)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported (default: 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (compilation happens here)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ember.bench import random_model, run_bench
+    from ember.loading.checkpoint import pick_device, pick_dtype
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.random_weights:
+        device = pick_device(args.device)
+        model = random_model(args.random_weights, device=device, dtype=pick_dtype(args.dtype, device))
+        if args.quantize:
+            from ember.quant import quantize_model
+
+            quantize_model(model, args.quantize)
+        name = f"random:{args.random_weights}"
+    else:
+        from ember.loading.checkpoint import load
+
+        loaded = load(
+            model_name(args),
+            device=args.device,
+            dtype=args.dtype,
+            allow_pickle=args.allow_pickle,
+            progress=False,
+            quantize=args.quantize,
+        )
+        model, device, name = loaded.model, loaded.device, loaded.name
+    result = run_bench(
+        model,
+        name=name,
+        device=device,
+        prompt_tokens=args.prompt_tokens,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        compile=args.compile,
+        compile_prefill=args.compile_prefill,
+        quantize=args.quantize,
+    )
+    if args.json:
+        print(json.dumps(result.to_dict()))
+        return 0
+    r = result
+    pct = (
+        f" ({r.decode_bandwidth_pct:.0f}% of {r.device_bandwidth_gb_s:.0f} GB/s copy)"
+        if r.decode_bandwidth_pct
+        else ""
+    )
+    lines = [
+        f"model     {r.model} ({r.dtype}, quantize={r.quantize or 'none'}, compile={r.compile}) on {r.device}, "
+        f"{r.threads} threads",
+        f"weights   {r.weight_bytes_per_step / 1e6:.1f} MB read per decode step",
+        f"prefill   {r.prefill_tokens_per_s:9.1f} tok/s   time to first token {r.time_to_first_token_s * 1e3:.1f} ms "
+        f"({r.prompt_tokens} prompt tokens)",
+        f"decode    {r.decode_tokens_per_s:9.1f} tok/s   {r.decode_bandwidth_gb_s:.1f} GB/s{pct}",
+        f"overall   {r.total_tokens_per_s:9.1f} tok/s   ({r.new_tokens} new tokens, prefill included)",
+        f"memory    {r.peak_memory_mb:9.1f} MB peak",
+    ]
+    print("\n".join(lines))
+    return 0

@@ -1,0 +1,210 @@
+"""Weight quantization as a module swap, with the format recorded in the model and in saved files.
+
+    model = quantize_model(model, "int4-g32")        # every projection becomes an Int4WeightOnlyLinear
+    save_quantized(model, "smollm2-int4.safetensors") # canonical codes + scales, metadata says the scheme
+    model = load_quantized("smollm2-int4.safetensors", device="cpu")
+
+Schemes (`SCHEMES`): "int8" (weight-only, per channel), "int4" (weight-only, groups of 128 along K; "int4-gN"
+picks N in 32/64/128/256), "int8-dyn" (int8 weights and dynamically quantized int8 activations, for CPUs
+with VNNI). The attention and MLP projections and the output projection are swapped; embeddings and norms
+stay in float. The scheme is read from `model.quantization` or the file's metadata, never guessed.
+
+The output projection: `Decoder.compute_logits` multiplies by a weight tensor, so a quantized output
+module cannot sit behind it. Until the decoder calls an `lm_head` module, this package installs a
+`compute_logits` on the quantized model instance that calls `model.lm_head` (the same multipliers and
+soft-cap as the decoder's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ember.config import ModelConfig
+from ember.errors import CheckpointError, EmberError
+from ember.ops.rope import RopeConfig
+from ember.quant.linear import Int4WeightOnlyLinear, Int8DynActLinear, Int8WeightOnlyLinear, QuantLinear
+
+FORMAT_VERSION = 1
+MODULES: dict[str, type[QuantLinear]] = {
+    "int8": Int8WeightOnlyLinear,
+    "int4": Int4WeightOnlyLinear,
+    "int8-dyn": Int8DynActLinear,
+}
+SCHEMES = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256", "int8-dyn")
+_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    scheme: str  # a key of MODULES
+    group_size: int | None = None  # int4 only
+
+    @classmethod
+    def parse(cls, text: str) -> QuantSpec:
+        """'int8' | 'int4' | 'int4-g32' ... | 'int8-dyn' -> QuantSpec; raises EmberError naming the choices."""
+        if text not in SCHEMES:
+            raise EmberError(f"quantization {text!r} is not supported; expected one of {', '.join(SCHEMES)}")
+        if text.startswith("int4"):
+            return cls("int4", int(text.partition("-g")[2] or 128))
+        return cls(text)
+
+    @property
+    def name(self) -> str:
+        return f"int4-g{self.group_size}" if self.scheme == "int4" else self.scheme
+
+    def make(self, linear: nn.Linear) -> QuantLinear:
+        if self.scheme == "int4":
+            return Int4WeightOnlyLinear.from_float(linear, self.group_size or 128)
+        return MODULES[self.scheme].from_float(linear)
+
+
+def _quantized_logits(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """Decoder.compute_logits with the output projection through the (quantized) `lm_head` module."""
+    cfg = self.config
+    logits = self.lm_head(hidden).float()
+    if cfg.logit_multiplier != 1.0:
+        logits = logits * cfg.logit_multiplier
+    if cfg.final_logit_softcap is not None:
+        logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
+    return logits
+
+
+def _targets(model: nn.Module) -> list[str]:
+    names = []
+    for i, layer in enumerate(model.model.layers):
+        for proj in _PROJECTIONS:
+            parent, _, leaf = proj.partition(".")
+            if isinstance(getattr(getattr(layer, parent), leaf, None), nn.Linear):  # MoE experts stay float
+                names.append(f"model.layers.{i}.{proj}")
+    return names
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, scheme: str, *, output: bool = True) -> nn.Module:
+    """Swaps the projections of a Decoder (and, with `output`, the output projection) in place; returns it."""
+    spec = QuantSpec.parse(scheme)
+    if getattr(model, "quantization", None):
+        raise EmberError(f"the model is already quantized ({model.quantization['scheme']})")
+    names = _targets(model)
+    for name in names:
+        module = spec.make(model.get_submodule(name))
+        module.prepare()
+        _set(model, name, module)
+    if output:
+        weight = model.output_weight()
+        float_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        float_head.weight = nn.Parameter(weight, requires_grad=False)
+        head = spec.make(float_head)
+        head.prepare()
+        model.lm_head = head
+        model.compute_logits = types.MethodType(_quantized_logits, model)
+        names.append("lm_head")
+    model.quantization = {"scheme": spec.name, "modules": names}
+    return model
+
+
+def _config_to_json(cfg: ModelConfig) -> str:
+    return json.dumps(dataclasses.asdict(cfg))
+
+
+def _config_from_json(text: str) -> ModelConfig:
+    d = json.loads(text)
+    d["rope"] = RopeConfig(**d["rope"])
+    d["local_rope"] = RopeConfig(**d["local_rope"]) if d["local_rope"] else None
+    for key in ("layer_windows", "moe_layers", "eos_token_ids"):
+        d[key] = tuple(d[key])
+    return ModelConfig(**d)
+
+
+def save_quantized(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Writes the quantized model's weights to one safetensors file; its metadata records scheme and config."""
+    q = getattr(model, "quantization", None)
+    if not q:
+        raise EmberError("save_quantized needs a model quantized with ember.quant.quantize_model")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    meta = {
+        "ember.format": str(FORMAT_VERSION),
+        "ember.quantization": json.dumps(q),
+        "ember.config": _config_to_json(model.config),
+        "ember.dtype": str(model.model.norm.weight.dtype).removeprefix("torch."),
+    }
+    save_file(state, str(path), metadata=meta)
+    return path
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return f.metadata() or {}
+
+
+@torch.no_grad()
+def load_quantized(path: str | os.PathLike, *, device: torch.device | str = "cpu") -> nn.Module:
+    """Rebuilds a model saved by `save_quantized` without redoing the quantization."""
+    from ember.models.decoder import Decoder
+
+    meta = read_metadata(path)
+    if meta.get("ember.format") != str(FORMAT_VERSION) or "ember.quantization" not in meta:
+        raise CheckpointError(
+            f"{path}: not an Ember quantized checkpoint (format {meta.get('ember.format')!r}, "
+            f"expected {FORMAT_VERSION})"
+        )
+    q = json.loads(meta["ember.quantization"])
+    cfg = _config_from_json(meta["ember.config"])
+    dtype = getattr(torch, meta["ember.dtype"])
+    spec = QuantSpec.parse(q["scheme"])
+    state = load_file(str(path), device=str(device))
+    with torch.device("meta"):
+        model = Decoder(cfg)
+        for name in q["modules"]:
+            shape = state[f"{name}.qweight"].shape
+            in_features = shape[1] * (2 if spec.scheme == "int4" else 1)
+            bias = f"{name}.bias" in state
+            cls = MODULES[spec.scheme]
+            extra = {"group_size": spec.group_size} if spec.scheme == "int4" else {}
+            _set(model, name, cls(in_features, shape[0], bias, dtype, **extra))
+    missing = set(model.state_dict()) - set(state)
+    if missing:
+        raise CheckpointError(f"{path}: missing weights {sorted(missing)[:5]}")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.init_buffers(device)
+    for name in q["modules"]:
+        model.get_submodule(name).prepare()
+    if "lm_head" in q["modules"]:
+        model.compute_logits = types.MethodType(_quantized_logits, model)
+    model.quantization = q
+    return model.eval().requires_grad_(False)
+
+
+def perplexity(model: nn.Module, tokens: torch.Tensor) -> float:
+    """exp(mean next-token negative log-likelihood) of tokens (1, T) in one forward pass."""
+    from ember.engine.kv_cache import StaticKVCache
+
+    T = tokens.shape[1]
+    device = tokens.device
+    cache = StaticKVCache(
+        model.config, batch_size=1, max_seq_len=T, device=device, dtype=model.model.norm.weight.dtype
+    )
+    with torch.inference_mode():
+        hidden = model(tokens, torch.arange(T, device=device)[None], cache)  # (1, T, E)
+        logits = model.compute_logits(hidden)  # (1, T, V)
+        nll = F.cross_entropy(logits[0, :-1].float(), tokens[0, 1:])
+    return float(torch.exp(nll))

@@ -1,0 +1,237 @@
+"""Quantized replacements for nn.Linear: int8 and int4 weight-only, and int8 dynamic activations (CPU).
+
+Each module keeps a device-neutral canonical form in its state dict, which is what `ember.quant.save` writes:
+
+- `Int8WeightOnlyLinear`: `qweight` int8 (N, K), `scales` (N,) float32; w = q * scale (symmetric, per channel).
+- `Int4WeightOnlyLinear`: `qweight` uint8 (N, K/2), two 4-bit codes per byte (low nibble = even k),
+  `scales` and `mins` (N, K/g); w = q * scale + min with q in [0, 15] (asymmetric, groups of g along K; the
+  same grid as GGUF's Q4_1, so Q4_1 blocks convert without loss when g = 32).
+- `Int8DynActLinear`: int8 weights as above, and each activation row quantized to int8 on the fly, so the
+  matmul is int8 x int8 -> int32 (`torch._int_mm`, VNNI on x86 CPUs).
+
+`prepare()` builds what a device's kernel wants from the canonical form (the packed int4 layout of
+`_weight_int4pack_mm_for_cpu`, say) as non-persistent buffers; call it after moving the module. Matmuls go
+through `ember.quant.kernels`, whose ops run Triton on CUDA and a plain-torch twin elsewhere.
+
+Shape legend: N output features, K input features, g group size, M rows of activations.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.quant import kernels
+
+
+class QuantLinear(nn.Module):
+    """Base: y = x @ dequantize().T + bias. Subclasses store weights their way and choose the kernel."""
+
+    scheme: str = ""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.dtype = dtype  # the activation dtype the float linear had
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        """The float weight (N, K) these codes stand for, in float32."""
+        raise NotImplementedError
+
+    def prepare(self) -> None:
+        """Builds device-specific buffers from the canonical ones; a no-op unless a kernel needs a layout."""
+
+    def bytes_read(self) -> int:
+        """Bytes one forward reads from this module's weights with the kernel `prepare()` chose."""
+        names = self._runtime_buffers()
+        tensors = [getattr(self, n) for n in names] + ([self.bias] if self.bias is not None else [])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def _runtime_buffers(self) -> tuple[str, ...]:
+        return ("qweight", "scales")
+
+    def options(self) -> dict:
+        """What, beside the scheme, is needed to rebuild this module from its state dict (saved as metadata)."""
+        return {}
+
+    def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
+
+
+def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) float -> (q int8 (N, K), scales float32 (N,)), symmetric: w ~ q * scale."""
+    w = w.float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4_grouped(
+    w: torch.Tensor, group_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w (N, K) float -> (codes uint8 (N, K) in [0, 15], scales (N, K/g), mins (N, K/g)): w ~ q * scale + min."""
+    N, K = w.shape
+    if K % group_size:
+        raise ValueError(f"in_features={K} is not a multiple of the int4 group size {group_size}")
+    wg = w.float().reshape(N, K // group_size, group_size)  # (N, K/g, g)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
+    scales = ((hi - lo) / 15.0).clamp(min=1e-8)
+    codes = torch.round((wg - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.uint8)
+    return codes.reshape(N, K), scales, lo
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 (N, K) in [0, 15] -> (N, K/2): low nibble = even k, high nibble = odd k."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """(N, K/2) uint8 -> codes (N, K)."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+class Int8WeightOnlyLinear(QuantLinear):
+    scheme = "int8"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32))
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
+        w = linear.weight.detach()
+        m = cls(w.shape[1], w.shape[0], linear.bias is not None, w.dtype).to(w.device)
+        m.qweight, m.scales = quantize_int8_per_channel(w)
+        if linear.bias is not None:
+            m.bias.copy_(linear.bias.detach())
+        return m
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales[:, None]
+
+    def prepare(self) -> None:
+        self.register_buffer("_scales_act", self.scales.to(self.dtype), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = kernels.int8_linear(x.reshape(-1, shape[-1]), self.qweight, self._scales_act)
+        return self._add_bias(y.reshape(*shape[:-1], self.out_features))
+
+
+class Int4WeightOnlyLinear(QuantLinear):
+    scheme = "int4"
+
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, group_size: int = 128
+    ) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        if group_size not in (32, 64, 128, 256):
+            raise ValueError(f"int4 group size {group_size} is not supported; expected 32, 64, 128 or 256")
+        if in_features % group_size:
+            raise ValueError(
+                f"in_features={in_features} is not a multiple of the int4 group size {group_size}"
+            )
+        self.group_size = group_size
+        G = in_features // group_size
+        self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.ones(out_features, G, dtype=torch.float32))
+        self.register_buffer("mins", torch.zeros(out_features, G, dtype=torch.float32))
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear, group_size: int = 128) -> Int4WeightOnlyLinear:
+        w = linear.weight.detach()
+        m = cls(w.shape[1], w.shape[0], linear.bias is not None, w.dtype, group_size).to(w.device)
+        codes, m.scales, m.mins = quantize_int4_grouped(w, group_size)
+        m.qweight = pack_nibbles(codes)
+        if linear.bias is not None:
+            m.bias.copy_(linear.bias.detach())
+        return m
+
+    def options(self) -> dict:
+        return {"group_size": self.group_size}
+
+    def dequantize(self) -> torch.Tensor:
+        N, K, g = self.out_features, self.in_features, self.group_size
+        codes = unpack_nibbles(self.qweight).float().reshape(N, K // g, g)
+        return (codes * self.scales[..., None] + self.mins[..., None]).reshape(N, K)
+
+    def prepare(self) -> None:
+        dev = self.qweight.device
+        # Activations run in bf16 for the CPU int4 kernel: its float32 path is not vectorised (measured ~60x
+        # slower on AVX-512), and scales in the activation dtype halve their bytes on CUDA.
+        act = torch.bfloat16 if dev.type == "cpu" else self.dtype
+        self.register_buffer("_scales_act", self.scales.to(act), persistent=False)
+        self.register_buffer("_mins_act", self.mins.to(act), persistent=False)
+        if dev.type == "cpu":
+            codes = unpack_nibbles(self.qweight).to(torch.int32)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            # tinygemm's grid is w = (q - 8) * scale + zero, so zero = min + 8 * scale; layout (K/g, N, 2).
+            sz = torch.stack((self.scales, self.mins + 8 * self.scales), dim=-1).transpose(0, 1)
+            self.register_buffer("_packed_cpu", packed, persistent=False)
+            self.register_buffer("_sz_cpu", sz.contiguous().to(torch.bfloat16), persistent=False)
+
+    def _runtime_buffers(self) -> tuple[str, ...]:
+        if self.qweight.device.type == "cpu":
+            return ("_packed_cpu", "_sz_cpu")
+        return ("qweight", "_scales_act", "_mins_act")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # (M, K)
+        if x.device.type == "cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(torch.bfloat16), self._packed_cpu, self.group_size, self._sz_cpu
+            ).to(x.dtype)
+        else:
+            y = kernels.int4_linear(x2, self.qweight, self._scales_act, self._mins_act, self.group_size)
+        return self._add_bias(y.reshape(*shape[:-1], self.out_features))
+
+
+class Int8DynActLinear(QuantLinear):
+    """int8 weights (per channel) x int8 activations (per row, quantized on the fly): an int32 matmul."""
+
+    scheme = "int8-dyn"
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32))
+
+    @classmethod
+    def from_float(cls, linear: nn.Linear) -> Int8DynActLinear:
+        w = linear.weight.detach()
+        m = cls(w.shape[1], w.shape[0], linear.bias is not None, w.dtype).to(w.device)
+        m.qweight, m.scales = quantize_int8_per_channel(w)
+        if linear.bias is not None:
+            m.bias.copy_(linear.bias.detach())
+        return m
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales[:, None]
+
+    def prepare(self) -> None:
+        # _int_mm takes the weight as (K, N); a transposed view of the (N, K) codes keeps one copy in memory.
+        self.register_buffer("_wt", self.qweight.t(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float()  # (M, K)
+        x_scale = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0  # (M, 1)
+        xq = torch.round(x2 / x_scale).clamp(-127, 127).to(torch.int8)
+        acc = torch._int_mm(xq, self._wt)  # (M, N) int32
+        y = (acc.float() * x_scale * self.scales).to(x.dtype)
+        return self._add_bias(y.reshape(*shape[:-1], self.out_features))
+
+
+def float_linear(x: torch.Tensor, module: QuantLinear) -> torch.Tensor:
+    """The reference: the same matmul with the dequantized weight, in float32."""
+    b = None if module.bias is None else module.bias.float()
+    return F.linear(x.float(), module.dequantize(), b)

@@ -1,0 +1,31 @@
+"""`ember bench --json` on the default model (SmolLM2 GGUF) and on random weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ember.cli.main import main
+
+
+@pytest.mark.slow
+def test_bench_json_default_model(capsys):
+    code = main(
+        ["bench", "--json", "--prompt-tokens", "16", "--new-tokens", "4", "--repeats", "1", "--warmup", "0"]
+    )
+    assert code == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["model"] == "smollm2-135m-instruct" and r["new_tokens"] == 4
+    assert r["decode_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0 and r["time_to_first_token_s"] > 0
+    # SmolLM2-135M in float32 with tied embeddings reads ~134.5M parameters per step.
+    assert 500e6 < r["weight_bytes_per_step"] < 560e6
+    assert r["decode_bandwidth_gb_s"] > 0 and r["peak_memory_mb"] > 0
+
+
+def test_bench_random_weights_quantized(capsys):
+    args = ["bench", "--random-weights", "tiny", "--quantize", "int4-g32", "--device", "cpu"]
+    assert main([*args, "--prompt-tokens", "8", "--new-tokens", "4", "--repeats", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["model"] == "random:tiny" and r["quantize"] == "int4-g32"
+    assert r["decode_bandwidth_pct"] is not None
