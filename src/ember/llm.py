@@ -79,12 +79,14 @@ class LLM:
         dtype: str | None = None,
         max_seq_len: int | None = None,
         compile: bool = False,
+        compile_prefill: bool = False,
+        quantize: str | None = None,
         allow_pickle: bool = False,
         progress: bool = False,
         engine_config: EngineConfig | None = None,
     ) -> None:
         self.loaded: LoadedModel = load(
-            model, device=device, dtype=dtype, allow_pickle=allow_pickle, progress=progress
+            model, device=device, dtype=dtype, allow_pickle=allow_pickle, progress=progress, quantize=quantize
         )
         cfg = self.loaded.config
         self.context = min(cfg.max_position_embeddings, max_seq_len or cfg.max_position_embeddings)
@@ -92,7 +94,11 @@ class LLM:
         self.engine_config = engine_config or EngineConfig()
         self._engine: EngineCore | None = None
         self.generator = Generator(
-            self.loaded.model, device=self.loaded.device, context=self.context, compile=compile
+            self.loaded.model,
+            device=self.loaded.device,
+            context=self.context,
+            compile=compile,
+            compile_prefill=compile_prefill,
         )
 
     # -- prompts -------------------------------------------------------------------------------------------
