@@ -6,8 +6,8 @@
 
 Schemes (`SCHEMES`): "int8" (weight-only, per channel), "int4" (weight-only, groups of 128 along K; "int4-gN"
 picks N in 32/64/128/256), "int8-dyn" (int8 weights and dynamically quantized int8 activations, for CPUs
-with VNNI). The attention and MLP projections and the output projection are swapped; embeddings and norms
-stay in float. The scheme is read from `model.quantization` or the file's metadata, never guessed.
+with VNNI). The attention and MLP projections and the output projection are swapped (the output
+projection to int8 under int4 schemes); embeddings and norms stay in float. The scheme is read from `model.quantization` or the file's metadata, never guessed.
 
 The output projection: `Decoder.compute_logits` multiplies by a weight tensor, so a quantized output
 module cannot sit behind it. Until the decoder calls an `lm_head` module, this package installs a
@@ -94,6 +94,12 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
+def output_scheme_for(scheme: str) -> str:
+    """The output projection's scheme: int8 under int4 schemes (as GGUF files keep it at Q8_0), since int4
+    logits cost SmolLM2-135M 9.6% perplexity where int4 layers cost 0.04% (BENCHMARKS.md)."""
+    return "int8" if QuantSpec.parse(scheme).scheme == "int4" else scheme
+
+
 @torch.no_grad()
 def quantize_model(model: nn.Module, scheme: str, *, output: bool = True) -> nn.Module:
     """Swaps the projections of a Decoder (and, with `output`, the output projection) in place; returns it."""
@@ -109,12 +115,14 @@ def quantize_model(model: nn.Module, scheme: str, *, output: bool = True) -> nn.
         weight = model.output_weight()
         float_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
         float_head.weight = nn.Parameter(weight, requires_grad=False)
-        head = spec.make(float_head)
+        head = QuantSpec.parse(output_scheme_for(scheme)).make(float_head)
         head.prepare()
         model.lm_head = head
         model.compute_logits = types.MethodType(_quantized_logits, model)
         names.append("lm_head")
     model.quantization = {"scheme": spec.name, "modules": names}
+    if output:
+        model.quantization["output_scheme"] = output_scheme_for(scheme)
     return model
 
 
@@ -175,12 +183,12 @@ def load_quantized(path: str | os.PathLike, *, device: torch.device | str = "cpu
     with torch.device("meta"):
         model = Decoder(cfg)
         for name in q["modules"]:
+            s = QuantSpec.parse(q["output_scheme"]) if name == "lm_head" else spec
             shape = state[f"{name}.qweight"].shape
-            in_features = shape[1] * (2 if spec.scheme == "int4" else 1)
+            in_features = shape[1] * (2 if s.scheme == "int4" else 1)
             bias = f"{name}.bias" in state
-            cls = MODULES[spec.scheme]
-            extra = {"group_size": spec.group_size} if spec.scheme == "int4" else {}
-            _set(model, name, cls(in_features, shape[0], bias, dtype, **extra))
+            extra = {"group_size": s.group_size} if s.scheme == "int4" else {}
+            _set(model, name, MODULES[s.scheme](in_features, shape[0], bias, dtype, **extra))
     missing = set(model.state_dict()) - set(state)
     if missing:
         raise CheckpointError(f"{path}: missing weights {sorted(missing)[:5]}")

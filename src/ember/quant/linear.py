@@ -118,6 +118,9 @@ class Int8WeightOnlyLinear(QuantLinear):
         return self.qweight.float() * self.scales[:, None]
 
     def prepare(self) -> None:
+        # A fresh copy from torch's allocator: tensors read by safetensors need not be 64-byte aligned, and
+        # the CPU int8 kernel crashed (SIGSEGV) on one such weight in tests.
+        self.qweight = self.qweight.clone()
         self.register_buffer("_scales_act", self.scales.to(self.dtype), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

