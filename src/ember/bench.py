@@ -122,10 +122,8 @@ def weight_bytes_per_step(model: Decoder) -> int:
     from ember.quant.linear import QuantLinear
 
     embed = model.model.embed_tokens
-    head_is_embedding = model.config.tie_word_embeddings and not isinstance(
-        getattr(model, "lm_head", None), QuantLinear
-    )
-    total = 0
+    head_is_embedding = model.config.tie_word_embeddings and not isinstance(model.lm_head, QuantLinear)
+    total, seen = 0, set()
     for module in model.modules():
         if isinstance(module, QuantLinear):
             total += module.bytes_read()
@@ -133,6 +131,9 @@ def weight_bytes_per_step(model: Decoder) -> int:
         if module is embed and not head_is_embedding:
             continue
         for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+            if t.data_ptr() in seen:  # a tied output projection is the embedding tensor: read once
+                continue
+            seen.add(t.data_ptr())
             if t.dtype.is_floating_point and t.dim() >= 1 and t.numel() > 1:
                 total += t.numel() * t.element_size()
     return total

@@ -36,7 +36,9 @@ def fit_history(llm, system: list[dict], turns: list[dict], room: int) -> tuple[
 def run(args: argparse.Namespace) -> int:
     llm = load_llm(args)
     if llm.tokenizer.chat_template is None:
-        raise EmberError(f"{llm.loaded.name} has no chat template; use `ember generate --no-chat` for completion")
+        raise EmberError(
+            f"{llm.loaded.name} has no chat template; use `ember generate --no-chat` for completion"
+        )
     params = sampling_params(args, llm.loaded.generation_defaults)
     system = [{"role": "system", "content": args.system}] if args.system else []
     turns: list[dict] = []

@@ -15,7 +15,9 @@ PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.jinja", "*.txt"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("download", help="download a Hugging Face checkpoint into the HF cache", description=__doc__)
+    p = sub.add_parser(
+        "download", help="download a Hugging Face checkpoint into the HF cache", description=__doc__
+    )
     p.add_argument("repo_id", help="a repo id such as HuggingFaceTB/SmolLM2-360M-Instruct, or an alias")
     p.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
     p.add_argument("--token", default=None, help="Hugging Face token for gated repos (default: HF_TOKEN)")
@@ -30,7 +32,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         path = snapshot_download(repo_id, revision=args.revision, token=args.token, allow_patterns=PATTERNS)
     except RepositoryNotFoundError:
-        raise EmberError(f"repo {repo_id!r} not found on the Hugging Face Hub (or it is gated: pass --token)") from None
+        raise EmberError(
+            f"repo {repo_id!r} not found on the Hugging Face Hub (or it is gated: pass --token)"
+        ) from None
     except LocalEntryNotFoundError:
         raise EmberError(
             f"cannot download {repo_id!r}: the Hugging Face Hub is unreachable (no network?) "

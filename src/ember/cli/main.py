@@ -45,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:
         if args.verbose:
             raise
-        print(f"error: internal error ({type(e).__name__}: {e}); run with --verbose for details", file=sys.stderr)
+        print(
+            f"error: internal error ({type(e).__name__}: {e}); run with --verbose for details",
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -28,7 +28,9 @@ class StaticKVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
-        self.windows = sorted({cfg.window(i) for i in range(cfg.num_layers)}, key=lambda w: (w is None, w or 0))
+        self.windows = sorted(
+            {cfg.window(i) for i in range(cfg.num_layers)}, key=lambda w: (w is None, w or 0)
+        )
         self._slots = torch.arange(max_seq_len, device=device)[None]  # (1, S)
         self._positions: torch.Tensor | None = None
         self._masks: dict[int | None, torch.Tensor] = {}

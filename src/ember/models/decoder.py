@@ -249,8 +249,9 @@ class Decoder(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderBody(cfg)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Always a module, so that quantization can swap it like any other projection.
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
         self.rope = Rope(cfg.rope)
         self.local_rope = Rope(cfg.local_rope) if cfg.local_rope is not None else None
 
@@ -260,6 +261,14 @@ class Decoder(nn.Module):
         self.rope.init_buffers(device)
         if self.local_rope is not None:
             self.local_rope.init_buffers(device)
+
+    def tie_weights(self) -> None:
+        """Tied models: the output projection is the embedding matrix (one tensor under two names).
+
+        Loaders fill only `model.embed_tokens.weight` and call this again after assigning it.
+        """
+        if self.config.tie_word_embeddings and type(self.lm_head) is nn.Linear:
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
@@ -281,7 +290,7 @@ class Decoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (B, T, E) -> float32 logits (B, T, V)."""
         cfg = self.config
-        logits = F.linear(hidden, self.output_weight()).float()
+        logits = self.lm_head(hidden).float()
         if cfg.logit_multiplier != 1.0:
             logits = logits * cfg.logit_multiplier
         if cfg.final_logit_softcap is not None:

@@ -9,10 +9,8 @@ picks N in 32/64/128/256), "int8-dyn" (int8 weights and dynamically quantized in
 with VNNI). The attention and MLP projections and the output projection are swapped (the output
 projection to int8 under int4 schemes); embeddings and norms stay in float. The scheme is read from `model.quantization` or the file's metadata, never guessed.
 
-The output projection: `Decoder.compute_logits` multiplies by a weight tensor, so a quantized output
-module cannot sit behind it. Until the decoder calls an `lm_head` module, this package installs a
-`compute_logits` on the quantized model instance that calls `model.lm_head` (the same multipliers and
-soft-cap as the decoder's).
+The output projection is the Decoder's `lm_head` module (for tied models it shares the embedding's
+tensor until it is swapped), so it is quantized like any other projection.
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,17 +65,6 @@ class QuantSpec:
         return MODULES[self.scheme].from_float(linear)
 
 
-def _quantized_logits(self: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """Decoder.compute_logits with the output projection through the (quantized) `lm_head` module."""
-    cfg = self.config
-    logits = self.lm_head(hidden).float()
-    if cfg.logit_multiplier != 1.0:
-        logits = logits * cfg.logit_multiplier
-    if cfg.final_logit_softcap is not None:
-        logits = torch.tanh(logits / cfg.final_logit_softcap) * cfg.final_logit_softcap
-    return logits
-
-
 def _targets(model: nn.Module) -> list[str]:
     names = []
     for i, layer in enumerate(model.model.layers):
@@ -118,7 +104,6 @@ def quantize_model(model: nn.Module, scheme: str, *, output: bool = True) -> nn.
         head = QuantSpec.parse(output_scheme_for(scheme)).make(float_head)
         head.prepare()
         model.lm_head = head
-        model.compute_logits = types.MethodType(_quantized_logits, model)
         names.append("lm_head")
     model.quantization = {"scheme": spec.name, "modules": names}
     if output:
@@ -146,7 +131,11 @@ def save_quantized(model: nn.Module, path: str | os.PathLike) -> Path:
         raise EmberError("save_quantized needs a model quantized with ember.quant.quantize_model")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    # A tied, unquantized output projection is the embedding itself: saved once, re-tied on load.
+    shared = (
+        {"lm_head.weight"} if type(model.lm_head) is nn.Linear and model.config.tie_word_embeddings else set()
+    )
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k not in shared}
     meta = {
         "ember.format": str(FORMAT_VERSION),
         "ember.quantization": json.dumps(q),
@@ -189,15 +178,15 @@ def load_quantized(path: str | os.PathLike, *, device: torch.device | str = "cpu
             bias = f"{name}.bias" in state
             extra = {"group_size": s.group_size} if s.scheme == "int4" else {}
             _set(model, name, MODULES[s.scheme](in_features, shape[0], bias, dtype, **extra))
-    missing = set(model.state_dict()) - set(state)
+    tied = {"lm_head.weight"} if cfg.tie_word_embeddings and "lm_head" not in q["modules"] else set()
+    missing = set(model.state_dict()) - set(state) - tied
     if missing:
         raise CheckpointError(f"{path}: missing weights {sorted(missing)[:5]}")
-    model.load_state_dict(state, strict=True, assign=True)
+    model.load_state_dict(state, strict=not tied, assign=True)
+    model.tie_weights()
     model.init_buffers(device)
     for name in q["modules"]:
         model.get_submodule(name).prepare()
-    if "lm_head" in q["modules"]:
-        model.compute_logits = types.MethodType(_quantized_logits, model)
     model.quantization = q
     return model.eval().requires_grad_(False)
 
