@@ -2,7 +2,7 @@
 levels, on a ShareGPT-like mix of prompt and answer lengths generated locally (no dataset download).
 
     python benchmarks/serve.py --model smollm2-135m-instruct --concurrency 1 4 16
-    python benchmarks/serve.py --random llama3-8b --device cuda --hf-baseline   # on a GPU
+    python benchmarks/serve.py --random llama-3-8b --device cuda --hf-baseline   # on a GPU
 
 The server runs as a subprocess (`python -m ember.cli.main serve`), so the client's timing loop does not share
 a GIL with it; the client streams /v1/completions with token-id prompts, `ignore_eos` and greedy decoding, so
@@ -11,7 +11,7 @@ like ShareGPT's (long-tailed, prompts longer than answers), scaled by --input-me
 
 With --hf-baseline the same requests also run through `transformers`' own batched `generate` (static batches of
 `concurrency` left-padded prompts, each batch running until its longest answer is done); only the tokens each
-request asked for count towards its throughput. --random llama3-8b builds a random model of Llama-3-8B's
+request asked for count towards its throughput. --random llama-3-8b builds a random model of Llama-3-8B's
 shapes (bf16 on the GPU, a synthetic word-level tokenizer of its vocabulary size) in a temporary directory.
 """
 
@@ -38,31 +38,8 @@ except ImportError:
     import httpx
 
 SRC = Path(__file__).resolve().parents[1] / "src"
-SHAPES = {
-    "llama3-8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        vocab_size=128256,
-        max_position_embeddings=8192,
-        rope_theta=500000.0,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=32000,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    ),
-}
-
+sys.path.insert(0, str(SRC))  # run from a checkout without installing
+from ember.bench import RANDOM_SHAPES as SHAPES  # noqa: E402  (one table of real shapes, shared with `ember bench`)
 
 # ---------------------------------------------------------------------------------------------- workload
 
