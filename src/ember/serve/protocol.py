@@ -67,8 +67,19 @@ class _Strict(BaseModel):
         return data
 
 
+# The parameters both request models share, typed once; each model still lists its fields in OpenAI's order
+# (not a shared base class), because pydantic validates in field order and the first error is the one reported.
+AtLeastOne = Annotated[int, Field(ge=1)]  # n, max_tokens, max_completion_tokens
+LogitBias = dict[str, Annotated[float, Field(ge=-100, le=100)]]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Stop = str | list[str]
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+# Ember's extensions
+TopK = Annotated[int, Field(ge=-1)]  # 0 or -1: off
+MinP = Annotated[float, Field(ge=0.0, le=1.0)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=10.0)]
 
 
 class StreamOptions(_Strict):
@@ -98,24 +109,24 @@ class ChatCompletionRequest(_Strict):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     model: str
     frequency_penalty: Penalty = 0.0
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: LogitBias | None = None
     logprobs: bool = False
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None  # deprecated by OpenAI for max_completion_tokens
-    n: Annotated[int, Field(ge=1)] = 1
+    max_completion_tokens: AtLeastOne | None = None
+    max_tokens: AtLeastOne | None = None  # deprecated by OpenAI for max_completion_tokens
+    n: AtLeastOne = 1
     presence_penalty: Penalty = 0.0
     seed: Seed | None = None
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    temperature: Temperature | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_p: TopP | None = None
     user: str | None = None
     # --- Ember extensions (vLLM's names; not in OpenAI's API) ---------------------------------------------
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # 0 or -1: off
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool = False  # generate max_tokens even past EOS (benchmarks)
     # ------------------------------------------------------------------------------------------------------
 
@@ -125,22 +136,22 @@ class CompletionRequest(_Strict):
     # A string, a batch of strings, one tokenized prompt, or a batch of tokenized prompts.
     prompt: str | Annotated[list[str], Field(min_length=1)] | list[int] | list[list[int]]
     frequency_penalty: Penalty = 0.0
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logit_bias: LogitBias | None = None
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # OpenAI's default for completions
-    n: Annotated[int, Field(ge=1)] = 1
+    max_tokens: AtLeastOne | None = 16  # OpenAI's default for completions
+    n: AtLeastOne = 1
     presence_penalty: Penalty = 0.0
     seed: Seed | None = None
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
     user: str | None = None
     # --- Ember extensions (vLLM's names; not in OpenAI's API) ---------------------------------------------
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # 0 or -1: off
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    top_k: TopK | None = None
+    min_p: MinP | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     ignore_eos: bool = False  # generate max_tokens even past EOS (benchmarks)
     # ------------------------------------------------------------------------------------------------------
 

@@ -5,6 +5,9 @@ does not fit, a full queue), so a streamed response never starts with a 200 and 
 was known up front. Each of the n choices (and each prompt of a batched completion) is its own engine
 request; `_run_jobs` merges their updates. Closing a stream early — a client that disconnects — cancels the
 tasks feeding it, and leaving `AsyncEngine.generate` early aborts the request and frees its KV blocks.
+
+Both endpoints share one whole-answer assembler (`_respond`) and one streaming driver (`_stream`); a route
+parses, builds SamplingParams, starts a `Run`, and supplies only how its choices and deltas look.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, TypeVar
@@ -37,6 +40,7 @@ from ember.serve.protocol import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatMessage,
     ChoiceLogprobs,
     Completion,
     CompletionChoice,
@@ -46,6 +50,7 @@ from ember.serve.protocol import (
     ModelCard,
     ModelList,
     PromptTokensDetails,
+    StreamOptions,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -54,6 +59,8 @@ from ember.tokenizer.tokenizer import Tokenizer
 
 FINGERPRINT = f"ember-{__version__}"
 M = TypeVar("M", bound=BaseModel)
+R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
+B = TypeVar("B", ChatCompletion, ChatCompletionChunk, Completion)
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,30 @@ class ChoiceResult:
     cached_tokens: int = 0
 
 
+@dataclass
+class Run:
+    """One response's engine requests, with what its body repeats: id, creation time, prompts (for usage)."""
+
+    state: ServingState
+    request_id: str
+    prompts: list[list[int]]
+    n: int
+    jobs: list[Job]
+    arrival: float  # time.monotonic() when the request came in, for the latency metrics
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def body(self, cls: type[B], choices: list[Any], usage: Usage | None) -> B:
+        """A response body, or one chunk of a stream, of this run."""
+        return cls(
+            id=self.request_id,
+            created=self.created,
+            model=self.state.model_name,
+            system_fingerprint=FINGERPRINT,
+            choices=choices,
+            usage=usage,
+        )
+
+
 router = APIRouter()
 
 # ---------------------------------------------------------------------------------------------- parsing
@@ -152,6 +183,16 @@ def parse(model: type[M], data: Any) -> M:
 
 def _serving(request: Request) -> ServingState:
     return request.app.state.serving
+
+
+async def parse_request(request: Request, model: type[R]) -> tuple[ServingState, R]:
+    """The body parsed as `model`, checked for what both generation endpoints refuse alike."""
+    state = _serving(request)
+    req = parse(model, await read_json(request, state.limits.max_body_bytes))
+    _check_model(state, req.model)
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    return state, req
 
 
 def _check_model(state: ServingState, model: str) -> None:
@@ -241,9 +282,16 @@ def sampling_params(
         raise APIError(400, str(e), code="invalid_value") from None
 
 
-def make_jobs(
-    state: ServingState, request_id: str, prompts: list[list[int]], params: SamplingParams, n: int, param: str
-) -> list[Job]:
+def make_run(
+    state: ServingState,
+    id_prefix: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    n: int,
+    *,
+    param: str,
+    arrival: float,
+) -> Run:
     """n jobs per prompt (choice index = prompt * n + j), each checked against the context before any runs."""
     for ids in prompts:
         try:
@@ -252,6 +300,7 @@ def make_jobs(
             raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
         except EmberError as e:
             raise APIError(400, str(e), param=param, code="invalid_value") from None
+    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     jobs = []
     for p, ids in enumerate(prompts):
         for j in range(n):
@@ -260,16 +309,15 @@ def make_jobs(
             index = p * n + j
             jobs.append(Job(index, f"{request_id}-{index}", ids, sub))
     _check_intake(state, len(jobs))
-    return jobs
+    return Run(state, request_id, prompts, n, jobs, arrival)
 
 
 # --------------------------------------------------------------------------------------------- running
 
 
-async def _run_jobs(
-    state: ServingState, jobs: list[Job], arrival: float
-) -> AsyncIterator[tuple[Job, RequestUpdate]]:
+async def _run_jobs(run: Run) -> AsyncIterator[tuple[Job, RequestUpdate]]:
     """Merges the updates of every job as they come; records latency and token metrics."""
+    state, jobs, arrival = run.state, run.jobs, run.arrival
     queue: asyncio.Queue[tuple[Job, RequestUpdate | BaseException]] = asyncio.Queue()
 
     async def pump(job: Job) -> None:
@@ -316,18 +364,12 @@ def _raise_for_unfinished(update: RequestUpdate) -> None:
         raise APIError(500, update.error or "internal error in the engine", code="engine_error")
 
 
-def _error_event(e: APIError) -> bytes:
-    return sse.event(e.body())
-
-
-async def _collect(
-    request: Request, state: ServingState, jobs: list[Job], arrival: float
-) -> list[ChoiceResult]:
+async def _collect(request: Request, run: Run) -> list[ChoiceResult]:
     """Runs the jobs to the end (non-streaming); a client that leaves meanwhile cancels them."""
-    results = [ChoiceResult() for _ in jobs]
+    results = [ChoiceResult() for _ in run.jobs]
 
     async def consume() -> None:
-        async for job, u in _run_jobs(state, jobs, arrival):
+        async for job, u in _run_jobs(run):
             r = results[job.index]
             r.text += u.text
             r.token_ids += u.token_ids
@@ -370,17 +412,17 @@ def _usage(
     )
 
 
-def _visible(state: ServingState, token_ids: list[int], logprobs: list[dict[int, float]], finish: str | None):
-    """(token, entry) pairs to report: the EOS that ended a completion has no text and is not shown."""
-    pairs = list(zip(token_ids, logprobs, strict=False))
-    if finish == "stop" and pairs and pairs[-1][0] in state.eos_token_ids:
+def _visible(state: ServingState, out: ChoiceResult | RequestUpdate) -> list[tuple[int, dict[int, float]]]:
+    """(token, logprobs) pairs to report: the EOS that ended a completion has no text and is not shown."""
+    pairs = list(zip(out.token_ids, out.logprobs or [], strict=False))
+    if out.finish_reason == "stop" and pairs and pairs[-1][0] in state.eos_token_ids:
         pairs.pop()
     return pairs
 
 
-def _chat_logprobs(state: ServingState, pairs: list[tuple[int, dict[int, float]]], k: int) -> ChoiceLogprobs:
+def _chat_logprobs(state: ServingState, out: ChoiceResult | RequestUpdate, k: int) -> ChoiceLogprobs:
     content = []
-    for token, entry in pairs:
+    for token, entry in _visible(state, out):
         text = state.token_text(token)
         top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
         content.append(
@@ -398,32 +440,104 @@ def _chat_logprobs(state: ServingState, pairs: list[tuple[int, dict[int, float]]
 
 
 def _completion_logprobs(
-    state: ServingState, pairs: list[tuple[int, dict[int, float]]], k: int, offset: int
+    state: ServingState, out: ChoiceResult | RequestUpdate, k: int, offset: int
 ) -> CompletionLogprobs:
-    out = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    for token, entry in pairs:
+    """`offset`: where this piece starts in the choice's text (a stream sends a choice in several pieces)."""
+    lp = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for token, entry in _visible(state, out):
         text = state.token_text(token)
-        out.tokens.append(text)
-        out.token_logprobs.append(entry[token])
-        out.top_logprobs.append(
-            {state.token_text(i): lp for i, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:k]}
+        lp.tokens.append(text)
+        lp.token_logprobs.append(entry[token])
+        lp.top_logprobs.append(
+            {state.token_text(i): v for i, v in sorted(entry.items(), key=lambda kv: -kv[1])[:k]}
         )
-        out.text_offset.append(offset)
+        lp.text_offset.append(offset)
         offset += len(text)
-    return out
+    return lp
+
+
+# ---------------------------------------------------------------------------------------------- answering
+
+
+async def _respond(
+    request: Request,
+    run: Run,
+    body: type[ChatCompletion | Completion],
+    choice: Callable[[int, ChoiceResult], Any],
+) -> JSONResponse:
+    """The whole answer at once: `choice(index, result)` formats each choice of `body`."""
+    results = await _collect(request, run)
+    completion_tokens = sum(len(r.token_ids) for r in results)
+    choices = [choice(i, r) for i, r in enumerate(results)]
+    usage = _usage(run.prompts, dict(enumerate(results)), run.n, completion_tokens)
+    return JSONResponse(run.body(body, choices, usage).model_dump())
+
+
+def _stream(
+    run: Run,
+    body: type[ChatCompletionChunk | Completion],
+    stream_options: StreamOptions | None,
+    deltas: Callable[[Job, RequestUpdate], list[Any]],
+    opening: Callable[[Job], Any] | None = None,
+) -> StreamingResponse:
+    """The answer as server-sent events: one `body` chunk per choice that `deltas(job, update)` returns.
+
+    `opening(job)`, when given, is sent for every job before the first token. An error after the 200 has gone
+    out ends the stream with an error event; `[DONE]` always comes last.
+    """
+    include_usage = bool(stream_options and stream_options.include_usage)
+    exclude = None if include_usage else {"usage"}
+
+    def chunk(choices: list[Any], usage: Usage | None = None) -> bytes:
+        return sse.event(run.body(body, choices, usage), exclude=exclude)
+
+    async def events() -> AsyncIterator[bytes]:
+        if opening is not None:
+            for job in run.jobs:
+                yield chunk([opening(job)])
+        completion_tokens, results = 0, {}
+        try:
+            async for job, u in _run_jobs(run):
+                completion_tokens += len(u.token_ids)
+                results[job.index] = ChoiceResult(
+                    prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens
+                )
+                # Aborted and failed updates carry no text (EngineCore._final), so raising first drops nothing.
+                if u.finish_reason is not None:
+                    _raise_for_unfinished(u)
+                for c in deltas(job, u):
+                    yield chunk([c])
+        except APIError as e:
+            yield sse.event(e.body())
+        except EmberError as e:
+            yield sse.event(APIError(503, str(e)).body())
+        else:
+            if include_usage:
+                yield chunk([], _usage(run.prompts, results, run.n, completion_tokens))
+        yield sse.DONE
+
+    return StreamingResponse(events(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
 
 
 # ------------------------------------------------------------------------------------------------ routes
 
 
+def _encode_chat(state: ServingState, messages: list[ChatMessage]) -> list[int]:
+    """The conversation rendered by the model's chat template, ready for the assistant's turn."""
+    # OpenAI's "developer" role is the newer name of "system", which is what chat templates know.
+    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    try:
+        return state.tokenizer.encode_chat(turns, add_generation_prompt=True)
+    except TokenizerError as e:
+        raise APIError(
+            422, f"the chat template cannot render these messages: {e}", param="messages"
+        ) from None
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     arrival = time.monotonic()
-    state = _serving(request)
-    req = parse(ChatCompletionRequest, await read_json(request, state.limits.max_body_bytes))
-    _check_model(state, req.model)
-    if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    state, req = await parse_request(request, ChatCompletionRequest)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     if state.tokenizer.chat_template is None:
@@ -433,198 +547,88 @@ async def chat_completions(request: Request) -> Response:
             param="messages",
             code="no_chat_template",
         )
-    top = req.top_logprobs or 0
+    top = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(
         state,
         req,
         max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
-        logprobs=top if req.logprobs else None,
+        logprobs=top,
     )
-    # OpenAI's "developer" role is the newer name of "system", which is what chat templates know.
-    messages = [
-        {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages
-    ]
-    try:
-        prompt_ids = state.tokenizer.encode_chat(messages, add_generation_prompt=True)
-    except TokenizerError as e:
-        raise APIError(
-            422, f"the chat template cannot render these messages: {e}", param="messages"
-        ) from None
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    jobs = make_jobs(state, request_id, [prompt_ids], params, req.n, "messages")
-    created = int(time.time())
+    prompt_ids = _encode_chat(state, req.messages)
+    run = make_run(state, "chatcmpl", [prompt_ids], params, req.n, param="messages", arrival=arrival)
+
+    def choice(i: int, r: ChoiceResult) -> ChatChoice:
+        lp = None if top is None else _chat_logprobs(state, r, top)
+        return ChatChoice(
+            index=i, message=AssistantMessage(content=r.text), logprobs=lp, finish_reason=r.finish_reason
+        )
+
+    def opening(job: Job) -> ChatChunkChoice:
+        return ChatChunkChoice(index=job.index, delta=Delta(role="assistant", content=""))
+
+    def deltas(job: Job, u: RequestUpdate) -> list[ChatChunkChoice]:
+        # Chat sends the finish_reason in a chunk of its own, after the last content.
+        out = []
+        lp = None if top is None else _chat_logprobs(state, u, top)
+        if u.text or (lp is not None and lp.content):
+            out.append(ChatChunkChoice(index=job.index, delta=Delta(content=u.text), logprobs=lp))
+        if u.finish_reason is not None:
+            out.append(ChatChunkChoice(index=job.index, delta=Delta(), finish_reason=u.finish_reason))
+        return out
 
     if not req.stream:
-        results = await _collect(request, state, jobs, arrival)
-        choices = []
-        for i, r in enumerate(results):
-            lp = None
-            if req.logprobs:
-                lp = _chat_logprobs(state, _visible(state, r.token_ids, r.logprobs, r.finish_reason), top)
-            choices.append(
-                ChatChoice(
-                    index=i,
-                    message=AssistantMessage(content=r.text),
-                    logprobs=lp,
-                    finish_reason=r.finish_reason,
-                )
-            )
-        usage = _usage([prompt_ids], dict(enumerate(results)), req.n, sum(len(r.token_ids) for r in results))
-        body = ChatCompletion(
-            id=request_id,
-            created=created,
-            model=state.model_name,
-            choices=choices,
-            usage=usage,
-            system_fingerprint=FINGERPRINT,
-        )
-        return JSONResponse(body.model_dump())
-
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    exclude = None if include_usage else {"usage"}
-
-    def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
-        c = ChatCompletionChunk(
-            id=request_id,
-            created=created,
-            model=state.model_name,
-            system_fingerprint=FINGERPRINT,
-            choices=choices,
-            usage=usage,
-        )
-        return sse.event(c, exclude=exclude)
-
-    async def stream() -> AsyncIterator[bytes]:
-        for job in jobs:
-            yield chunk([ChatChunkChoice(index=job.index, delta=Delta(role="assistant", content=""))])
-        completion_tokens, results = 0, {}
-        try:
-            async for job, u in _run_jobs(state, jobs, arrival):
-                completion_tokens += len(u.token_ids)
-                results[job.index] = ChoiceResult(
-                    prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens
-                )
-                pairs = (
-                    _visible(state, u.token_ids, u.logprobs or [], u.finish_reason) if req.logprobs else []
-                )
-                if u.text or pairs:
-                    lp = _chat_logprobs(state, pairs, top) if req.logprobs else None
-                    yield chunk([ChatChunkChoice(index=job.index, delta=Delta(content=u.text), logprobs=lp)])
-                if u.finish_reason is not None:
-                    _raise_for_unfinished(u)
-                    yield chunk(
-                        [ChatChunkChoice(index=job.index, delta=Delta(), finish_reason=u.finish_reason)]
-                    )
-        except APIError as e:
-            yield _error_event(e)
-        except EmberError as e:
-            yield _error_event(APIError(503, str(e)))
-        else:
-            if include_usage:
-                yield chunk([], _usage([prompt_ids], results, req.n, completion_tokens))
-        yield sse.DONE
-
-    return StreamingResponse(stream(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+        return await _respond(request, run, ChatCompletion, choice)
+    return _stream(run, ChatCompletionChunk, req.stream_options, deltas, opening)
 
 
-@router.post("/v1/completions")
-async def completions(request: Request) -> Response:
-    arrival = time.monotonic()
-    state = _serving(request)
-    req = parse(CompletionRequest, await read_json(request, state.limits.max_body_bytes))
-    _check_model(state, req.model)
-    if req.stream_options is not None and not req.stream:
-        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    p = req.prompt
-    if isinstance(p, str):
-        prompts = [state.tokenizer.encode(p, add_special_tokens=True)]
-    elif p and isinstance(p[0], str):
-        prompts = [state.tokenizer.encode(s, add_special_tokens=True) for s in p]  # type: ignore[arg-type]
-    elif p and isinstance(p[0], list):
-        prompts = [list(ids) for ids in p]  # type: ignore[union-attr]
+def _encode_prompts(
+    state: ServingState, prompt: str | list[str] | list[int] | list[list[int]]
+) -> list[list[int]]:
+    """/v1/completions' `prompt` (a string, strings, token ids, or lists of them) as a list of token-id lists."""
+    if isinstance(prompt, str):
+        prompts = [state.tokenizer.encode(prompt, add_special_tokens=True)]
+    elif prompt and isinstance(prompt[0], str):
+        prompts = [state.tokenizer.encode(s, add_special_tokens=True) for s in prompt]  # type: ignore[arg-type]
+    elif prompt and isinstance(prompt[0], list):
+        prompts = [list(ids) for ids in prompt]  # type: ignore[union-attr]
     else:
-        prompts = [list(p)]  # type: ignore[arg-type]
+        prompts = [list(prompt)]  # type: ignore[arg-type]
     if len(prompts) > state.limits.max_prompts:
         raise APIError(
             400,
             f"prompt holds {len(prompts)} prompts; at most {state.limits.max_prompts} are allowed",
             param="prompt",
         )
+    return prompts
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    arrival = time.monotonic()
+    state, req = await parse_request(request, CompletionRequest)
+    prompts = _encode_prompts(state, req.prompt)
     params = sampling_params(state, req, max_tokens=req.max_tokens, logprobs=req.logprobs)
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    jobs = make_jobs(state, request_id, prompts, params, req.n, "prompt")
-    created = int(time.time())
-    k = req.logprobs or 0
+    run = make_run(state, "cmpl", prompts, params, req.n, param="prompt", arrival=arrival)
+    k = req.logprobs
+
+    def choice(i: int, r: ChoiceResult) -> CompletionChoice:
+        lp = None if k is None else _completion_logprobs(state, r, k, 0)
+        return CompletionChoice(index=i, text=r.text, logprobs=lp, finish_reason=r.finish_reason)
+
+    offsets = [0] * len(run.jobs)  # text_offset continues across a choice's chunks
+
+    def deltas(job: Job, u: RequestUpdate) -> list[CompletionChoice]:
+        lp = None
+        if k is not None:
+            lp = _completion_logprobs(state, u, k, offsets[job.index])
+            offsets[job.index] += sum(len(t) for t in lp.tokens)
+        if not (u.text or (lp is not None and lp.tokens) or u.finish_reason is not None):
+            return []
+        return [CompletionChoice(index=job.index, text=u.text, logprobs=lp, finish_reason=u.finish_reason)]
 
     if not req.stream:
-        results = await _collect(request, state, jobs, arrival)
-        choices = []
-        for i, r in enumerate(results):
-            lp = None
-            if req.logprobs is not None:
-                lp = _completion_logprobs(
-                    state, _visible(state, r.token_ids, r.logprobs, r.finish_reason), k, 0
-                )
-            choices.append(CompletionChoice(index=i, text=r.text, logprobs=lp, finish_reason=r.finish_reason))
-        usage = _usage(prompts, dict(enumerate(results)), req.n, sum(len(r.token_ids) for r in results))
-        body = Completion(
-            id=request_id,
-            created=created,
-            model=state.model_name,
-            system_fingerprint=FINGERPRINT,
-            choices=choices,
-            usage=usage,
-        )
-        return JSONResponse(body.model_dump())
-
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    exclude = None if include_usage else {"usage"}
-
-    def chunk(choices: list[CompletionChoice], usage: Usage | None = None) -> bytes:
-        c = Completion(
-            id=request_id,
-            created=created,
-            model=state.model_name,
-            system_fingerprint=FINGERPRINT,
-            choices=choices,
-            usage=usage,
-        )
-        return sse.event(c, exclude=exclude)
-
-    async def stream() -> AsyncIterator[bytes]:
-        completion_tokens, results = 0, {}
-        offsets = [0] * len(jobs)
-        try:
-            async for job, u in _run_jobs(state, jobs, arrival):
-                completion_tokens += len(u.token_ids)
-                results[job.index] = ChoiceResult(
-                    prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens
-                )
-                pairs = _visible(state, u.token_ids, u.logprobs or [], u.finish_reason)
-                lp = None
-                if req.logprobs is not None:
-                    lp = _completion_logprobs(state, pairs, k, offsets[job.index])
-                    offsets[job.index] += sum(len(t) for t in lp.tokens)
-                if u.finish_reason is not None:
-                    _raise_for_unfinished(u)
-                if u.text or (lp is not None and lp.tokens) or u.finish_reason is not None:
-                    yield chunk(
-                        [
-                            CompletionChoice(
-                                index=job.index, text=u.text, logprobs=lp, finish_reason=u.finish_reason
-                            )
-                        ]
-                    )
-        except APIError as e:
-            yield _error_event(e)
-        except EmberError as e:
-            yield _error_event(APIError(503, str(e)))
-        else:
-            if include_usage:
-                yield chunk([], _usage(prompts, results, req.n, completion_tokens))
-        yield sse.DONE
-
-    return StreamingResponse(stream(), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+        return await _respond(request, run, Completion, choice)
+    return _stream(run, Completion, req.stream_options, deltas)
 
 
 @router.get("/v1/models")
