@@ -2,7 +2,8 @@
 
 Static shapes make the decode step compile to one graph (and one CUDA graph): every step attends over all S
 slots, and a mask hides the slots after the query's position (and, for sliding-window layers, those
-`window` or more positions behind it). Rows of a batch may sit at different positions.
+`window` or more positions behind it). Rows of a batch may sit at different positions. CPU decode steps
+(one token per row) attend with `decode_attention`, plain matmuls that beat SDPA's kernel there.
 """
 
 from __future__ import annotations
@@ -11,6 +12,24 @@ import torch
 
 from ember.config import ModelConfig
 from ember.ops.attention import causal_mask, sdpa_attention
+
+
+def decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query token per row: q (B, 1, H, D), k and v (B, K, S, D), mask (B, 1, 1, S) -> (B, 1, H, D).
+
+    Plain matmuls and a softmax, with the G = H/K query heads of a kv head as the rows of one matmul (no
+    repeated k/v). On CPU this beats SDPA's flash kernel for T=1: ~35 us instead of ~50 us per layer
+    (SmolLM2-135M int4, S=256: ~0.5 ms of an ~8.5 ms step), with the scale, mask and softmax fused by inductor.
+    """
+    B, _, H, D = q.shape
+    K = k.shape[1]
+    qg = q.reshape(B, K, H // K, D)  # (B, K, G, D)
+    scores = (qg @ k.transpose(-1, -2)) * scale  # (B, K, G, S)
+    scores = scores.masked_fill(~mask, float("-inf"))  # mask (B, 1, 1, S)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return (probs @ v).view(B, 1, H, D)
 
 
 class StaticKVCache:
@@ -57,6 +76,8 @@ class StaticKVCache:
         rows = torch.arange(B, device=q.device)[:, None]  # (B, 1)
         self.k[layer][rows, :, pos] = k  # k (B, T, K, D) lands at cache[b, :, pos[b, t]]
         self.v[layer][rows, :, pos] = v
+        if q.shape[1] == 1 and softcap is None and q.device.type == "cpu":  # CPU decode (measured there only)
+            return decode_attention(q, self.k[layer][:B], self.v[layer][:B], self._masks[window][:B], scale)
         out = sdpa_attention(
             q.transpose(1, 2),  # (B, H, T, D)
             self.k[layer][:B],
