@@ -198,27 +198,13 @@ class Int4WeightOnlyLinear(QuantLinear):
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
 
 
-class Int8DynActLinear(QuantLinear):
-    """int8 weights (per channel) x int8 activations (per row, quantized on the fly): an int32 matmul."""
+class Int8DynActLinear(Int8WeightOnlyLinear):
+    """int8 weights (per channel) x int8 activations (per row, quantized on the fly): an int32 matmul.
+
+    The weights, their format and quantization are Int8WeightOnlyLinear's; only the kernel differs.
+    """
 
     scheme = "int8-dyn"
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
-        super().__init__(in_features, out_features, bias, dtype)
-        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32))
-
-    @classmethod
-    def from_float(cls, linear: nn.Linear) -> Int8DynActLinear:
-        w = linear.weight.detach()
-        m = cls(w.shape[1], w.shape[0], linear.bias is not None, w.dtype).to(w.device)
-        m.qweight, m.scales = quantize_int8_per_channel(w)
-        if linear.bias is not None:
-            m.bias.copy_(linear.bias.detach())
-        return m
-
-    def dequantize(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales[:, None]
 
     def prepare(self) -> None:
         # _int_mm takes the weight as (K, N); a transposed view of the (N, K) codes keeps one copy in memory.
