@@ -68,3 +68,31 @@ def make_tiny_llama_dir(path: Path, tokenizer_dir: Path, **overrides) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer_dir)
+
+
+def load_hf_dir(path: Path):
+    """An Ember Decoder (fp32, CPU) from a saved Hugging Face directory, through the real loader."""
+    from ember.loading.safetensors import SafetensorsSource, read_hf_config
+    from ember.loading.weights import build_model
+    from ember.models import config_from_hf, get_family
+
+    cfg = config_from_hf(read_hf_config(path))
+    family = get_family(cfg.architecture)
+    return build_model(
+        cfg, family, SafetensorsSource(path), device="cpu", dtype=torch.float32, origin=str(path)
+    )
+
+
+def run_cached(model, ids: torch.Tensor, split: int, max_seq_len: int = 64) -> torch.Tensor:
+    """Prefill ids[:, :split], then decode the rest one token at a time; logits (B, T, V) for every position."""
+    from ember.engine.kv_cache import StaticKVCache
+
+    B, T = ids.shape
+    cache = StaticKVCache(
+        model.config, batch_size=B, max_seq_len=max_seq_len, device="cpu", dtype=torch.float32
+    )
+    pos = torch.arange(T)[None].expand(B, -1)
+    outs = [model.compute_logits(model(ids[:, :split], pos[:, :split], cache))]
+    for t in range(split, T):
+        outs.append(model.compute_logits(model(ids[:, t : t + 1], pos[:, t : t + 1], cache)))
+    return torch.cat(outs, dim=1)

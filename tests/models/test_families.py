@@ -14,9 +14,8 @@ import transformers
 
 from ember.engine.kv_cache import StaticKVCache
 from ember.errors import UnsupportedArchitectureError
-from ember.loading.safetensors import SafetensorsSource, read_hf_config
-from ember.loading.weights import build_model
-from ember.models import config_from_hf, get_family, supported_architectures
+from ember.models import get_family, supported_architectures
+from tests.conftest import load_hf_dir, run_cached
 
 BASE = dict(
     hidden_size=64,
@@ -153,28 +152,8 @@ def pair(request, tmp_path_factory):
     ref = _reference(request.param)
     path = tmp_path_factory.mktemp(request.param)
     ref.save_pretrained(path)
-    cfg = config_from_hf(read_hf_config(path))
-    model = build_model(
-        cfg,
-        get_family(cfg.architecture),
-        SafetensorsSource(path),
-        device="cpu",
-        dtype=torch.float32,
-        origin="t",
-    )
+    model = load_hf_dir(path)
     return request.param, ref, model
-
-
-def run_cached(model, ids: torch.Tensor, split: int) -> torch.Tensor:
-    """Prefill ids[:, :split], then decode the rest one token at a time; logits (B, T, V) for every position."""
-    cache = StaticKVCache(
-        model.config, batch_size=ids.shape[0], max_seq_len=MAX_SEQ, device="cpu", dtype=torch.float32
-    )
-    pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
-    outs = [model.compute_logits(model(ids[:, :split], pos[:, :split], cache))]
-    for t in range(split, ids.shape[1]):
-        outs.append(model.compute_logits(model(ids[:, t : t + 1], pos[:, t : t + 1], cache)))
-    return torch.cat(outs, dim=1)
 
 
 def greedy(model, prompt: list[int], n: int) -> list[int]:
@@ -193,9 +172,9 @@ def test_logits_match_transformers(pair):
     case, ref, model = pair
     ids = torch.randint(3, BASE["vocab_size"], (2, PROMPT))
     expected = ref(ids).logits
-    assert (run_cached(model, ids, split=PROMPT) - expected).abs().max() <= 1e-4
+    assert (run_cached(model, ids, split=PROMPT, max_seq_len=MAX_SEQ) - expected).abs().max() <= 1e-4
     # A short prefill, then decode steps that run past the sliding window: every cached step matches.
-    assert (run_cached(model, ids, split=CASES[case][2]) - expected).abs().max() <= 1e-4
+    assert (run_cached(model, ids, split=CASES[case][2], max_seq_len=MAX_SEQ) - expected).abs().max() <= 1e-4
 
 
 @torch.no_grad()

@@ -6,10 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from ember.engine.kv_cache import StaticKVCache
-from ember.loading.safetensors import SafetensorsSource, read_hf_config
-from ember.loading.weights import build_model
-from ember.models import config_from_hf, get_family
+from tests.conftest import load_hf_dir, run_cached
 
 BASE = dict(
     hidden_size=64,
@@ -53,28 +50,8 @@ def load_pair(case: str, tmp_path):
     config_cls, model_cls, extra = CASES[case]
     ref = model_cls(config_cls(**{**BASE, **extra}, attn_implementation="eager")).eval()
     ref.save_pretrained(tmp_path)
-    cfg = config_from_hf(read_hf_config(tmp_path))
-    model = build_model(
-        cfg,
-        get_family(cfg.architecture),
-        SafetensorsSource(tmp_path),
-        device="cpu",
-        dtype=torch.float32,
-        origin="t",
-    )
+    model = load_hf_dir(tmp_path)
     return ref, model
-
-
-def run_cached(model, ids: torch.Tensor, split: int) -> torch.Tensor:
-    """Prefill ids[:, :split], then decode the rest one token at a time; logits for every position."""
-    cache = StaticKVCache(
-        model.config, batch_size=ids.shape[0], max_seq_len=64, device="cpu", dtype=torch.float32
-    )
-    pos = torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1)
-    outs = [model.compute_logits(model(ids[:, :split], pos[:, :split], cache))]
-    for t in range(split, ids.shape[1]):
-        outs.append(model.compute_logits(model(ids[:, t : t + 1], pos[:, t : t + 1], cache)))
-    return torch.cat(outs, dim=1)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
