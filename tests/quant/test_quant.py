@@ -11,7 +11,13 @@ from torch import nn
 from ember.bench import random_model
 from ember.errors import EmberError
 from ember.quant import QuantSpec, load_quantized, perplexity, quantize_model, save_quantized
-from ember.quant.kernels import int4_linear_reference, int8_linear_reference
+from ember.quant.kernels import (
+    int4_fold_scales,
+    int4_tile,
+    int4_tiles,
+    int4_untile,
+    int8_linear_reference,
+)
 from ember.quant.linear import pack_nibbles, quantize_int4_grouped, quantize_int8_per_channel, unpack_nibbles
 
 # Relative error ||y - y_float|| / ||y_float|| of each scheme on N(0, 1) weights and activations: the bound
@@ -45,31 +51,58 @@ def test_int4_grid_and_packing_round_trip():
     assert ((deq.reshape(8, 64) - w).abs() <= scales.repeat_interleave(32, dim=1) / 2 + 1e-6).all()
 
 
+def dequantized_int4(codes, scales, mins, group_size):
+    N, K = codes.shape
+    return (codes.float().reshape(N, -1, group_size) * scales[..., None] + mins[..., None]).reshape(N, K)
+
+
 def test_ops_match_their_twins_on_cpu():
     x, w = torch.randn(3, 128), torch.randn(40, 128)
     q, s = quantize_int8_per_channel(w)
     y = torch.ops.ember.int8_linear(x, q, s)
     assert rel_err(y, int8_linear_reference(x, q, s)) < 5e-3  # the CPU kernel runs in bf16
+    # The folded int4 factors, (1 + q/16) * 16s + (min - 16s), are the same grid as q * s + min.
     codes, sc, mn = quantize_int4_grouped(w, 32)
-    y4 = torch.ops.ember.int4_linear(x, pack_nibbles(codes), sc, mn, 32)
-    assert rel_err(y4, int4_linear_reference(x, pack_nibbles(codes), sc, mn, 32)) < 1e-5
+    y4 = torch.ops.ember.int4_linear(x, pack_nibbles(codes), *int4_fold_scales(sc, mn, torch.float32), 32)
+    assert rel_err(y4, x @ dequantized_int4(codes, sc, mn, 32).T) < 1e-5
 
 
 @pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="needs triton (runs in its interpreter)"
 )
-def test_triton_gemv_kernels_match_twins_in_interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+@pytest.mark.parametrize("K,block_k", [(512, 256), (576, 256)])  # 576: the last K step is partial
+def test_triton_gemv_kernels_match_float_math_in_interpreter(K, block_k):
     from ember.quant import triton_kernels as tk
 
-    x, w = torch.randn(2, 256), torch.randn(40, 256)
+    x, w = torch.randn(2, K), torch.randn(40, K)  # N=40: the last row block is partial
+    blocks = dict(BLOCK_N=16, BLOCK_K=block_k)
+    assert rel_err(tk.float_gemv(x, w, blocks=blocks), x @ w.T) < 1e-5
     q, s = quantize_int8_per_channel(w)
-    y = tk.int8_gemv(x, q, s, blocks=dict(BLOCK_N=16, BLOCK_K=128))
-    assert rel_err(y, int8_linear_reference(x, q, s)) < 1e-5
+    for magic in (True, False):
+        y = tk.int8_gemv(x, q, s, blocks={**blocks, "MAGIC": magic})
+        assert rel_err(y, x @ (q.float() * s[:, None]).T) < 1e-5
+    for group in (32, 64):
+        codes, sc, mn = quantize_int4_grouped(w, group)
+        s16, z16 = int4_fold_scales(sc, mn, torch.float32)
+        y4 = tk.int4_gemv(x, pack_nibbles(codes), s16, z16, group, blocks=blocks)
+        want = x @ dequantized_int4(codes, sc, mn, group).T
+        assert rel_err(y4, want) < 1e-5
+        if int4_tiles(K, group):
+            words = int4_tile(pack_nibbles(codes), group)
+            y4 = tk.int4_tiled_gemv(x, words, s16, z16, group, blocks=dict(BLOCK_N=16))
+            assert rel_err(y4, want) < 1e-5
+
+
+def test_int4_tiled_layout_round_trips_and_feeds_the_op():
+    x, w = torch.randn(3, 512), torch.randn(24, 512)
     codes, sc, mn = quantize_int4_grouped(w, 32)
-    p = pack_nibbles(codes)
-    y4 = tk.int4_gemv(x, p, sc, mn, 32, blocks=dict(BLOCK_N=16, BLOCK_K=64))
-    assert rel_err(y4, int4_linear_reference(x, p, sc, mn, 32)) < 1e-5
+    words = int4_tile(pack_nibbles(codes), 32)
+    assert words.dtype == torch.int32 and words.shape == (24, 64)
+    assert torch.equal(int4_untile(words, 32), codes)
+    # Nibble j of word i in tile t is weight 256t + 32j + i.
+    assert int((words[5, 33] >> 8) & 0xF) == int(codes[5, 256 + 64 + 1])
+    y = torch.ops.ember.int4_linear(x, words, *int4_fold_scales(sc, mn, torch.float32), 32)
+    assert rel_err(y, x @ dequantized_int4(codes, sc, mn, 32).T) < 1e-5
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4-g32", "int8-dyn"])

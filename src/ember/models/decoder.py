@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import ModelConfig
+from ember.ops.linear import Linear
 from ember.ops.rope import Rope, apply_rope
 
 
@@ -78,8 +79,8 @@ class MLP(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,8 +168,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.H, self.K, self.D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.H + 2 * self.K) * self.D, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.H * self.D, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = Linear(cfg.hidden_size, (self.H + 2 * self.K) * self.D, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.H * self.D, cfg.hidden_size, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm == "head":
             self.q_norm = RMSNorm(self.D, cfg.norm_eps, cfg.norm_offset)
@@ -250,7 +251,7 @@ class Decoder(nn.Module):
         self.config = cfg
         self.model = DecoderBody(cfg)
         # Always a module, so that quantization can swap it like any other projection.
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.rope = Rope(cfg.rope)
         self.local_rope = Rope(cfg.local_rope) if cfg.local_rope is not None else None
@@ -267,7 +268,7 @@ class Decoder(nn.Module):
 
         Loaders fill only `model.embed_tokens.weight` and call this again after assigning it.
         """
-        if self.config.tie_word_embeddings and type(self.lm_head) is nn.Linear:
+        if self.config.tie_word_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def output_weight(self) -> torch.Tensor:

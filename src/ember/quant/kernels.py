@@ -1,8 +1,10 @@
 """Matmul kernels for quantized weights, as torch.library custom ops with a plain-torch twin.
 
-`ember::int8_linear(x, qweight, scales)` and `ember::int4_linear(x, qweight, scales, mins, group_size)` take
-activations x (M, K) and the canonical weights of `ember.quant.linear`, and return y (M, N) in x's dtype.
+`ember::int8_linear(x, qweight, scales)` and `ember::int4_linear(x, qweight, s16, z16, group_size)` take
+activations x (M, K) and the weights of `ember.quant.linear` (int4 scales folded by `int4_fold_scales`), and
+return y (M, N) in x's dtype.
 
+- `ember::float_linear(x, weight)`: bf16/fp16 weights, one row on CUDA (used by `ember.ops.linear.Linear`).
 - CUDA, M <= 8 (decode): Triton GEMV kernels that read each weight byte once and dequantize in registers.
   Decoding one stream is bound by reading weights, so int8 reads half the bytes of bf16 and int4 a quarter;
   torch's bf16 matmul with a separate dequantize would read the weights twice and write them once.
@@ -34,14 +36,78 @@ def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     return (F.linear(x, qweight.to(x.dtype)) * scales.to(x.dtype)).to(x.dtype)
 
 
+def int4_fold_scales(
+    scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, mins) of w = q*s + min -> (16s, min - 16s) in `dtype`, the factors `int4_linear` takes.
+
+    With them w = (1 + q/16) * 16s + (min - 16s): the GEMV kernel builds the float 1 + q/16 by writing q into
+    the mantissa of 1.0 (no int-to-float conversion) and needs one FMA per weight.
+    """
+    s16 = scales.float() * 16
+    return s16.to(dtype), (mins.float() - s16).to(dtype)
+
+
+def int4_tiles(in_features: int, group_size: int) -> bool:
+    """Whether K splits into tiles of 8 groups, which the tiled int4 layout (`int4_tile`) needs."""
+    return in_features % (8 * group_size) == 0
+
+
+def int4_tile(qweight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Canonical packed codes uint8 (N, K/2) -> int32 words (N, K/8) in the tiled layout of the CUDA kernel.
+
+    K is cut into tiles of 8 groups; word i of tile t holds in its nibble j (bits 4j..4j+3) the code of weight
+    k = 8g*t + g*j + i, so a kernel unpacks one whole group per nibble position with a shift and a mask.
+    """
+    N, g = qweight.shape[0], group_size
+    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(N, -1, 8, g)  # (N, T, j, i)
+    shifts = 4 * torch.arange(8, device=qweight.device, dtype=torch.int64)
+    words = (codes.transpose(2, 3).to(torch.int64) << shifts).sum(-1)  # (N, T, i): disjoint bits, sum = or
+    words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement for int32
+    return words.to(torch.int32).reshape(N, -1)
+
+
+def int4_untile(words: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The inverse of `int4_tile`: int32 words (N, K/8) -> codes uint8 (N, K)."""
+    N, g = words.shape[0], group_size
+    shifts = 4 * torch.arange(8, device=words.device, dtype=torch.int32)
+    codes = (words.reshape(N, -1, g, 1) >> shifts) & 0xF  # (N, T, i, j)
+    return codes.transpose(2, 3).reshape(N, -1).to(torch.uint8)
+
+
 def int4_linear_reference(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int
+    x: torch.Tensor, qweight: torch.Tensor, s16: torch.Tensor, z16: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """x (M, K), qweight uint8 (N, K/2) nibbles, scales and mins (N, K/g) -> (M, N): x @ (q * s + min).T."""
+    """x (M, K), qweight uint8 (N, K/2) nibbles or int32 (N, K/8) tiled words (`int4_tile`), folded scales
+    (N, K/g) -> (M, N): x @ ((1 + q/16) * s16 + z16).T."""
     N = qweight.shape[0]
-    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(N, -1, group_size)  # (N, K/g, g)
-    w = codes.to(x.dtype) * scales[..., None].to(x.dtype) + mins[..., None].to(x.dtype)
-    return F.linear(x, w.reshape(N, -1))
+    if qweight.dtype == torch.int32:
+        codes = int4_untile(qweight, group_size).reshape(N, -1, group_size)
+    else:
+        codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(N, -1, group_size)  # (N, K/g, g)
+    f = codes.float() / 16 + 1
+    w = f * s16[..., None].float() + z16[..., None].float()
+    return F.linear(x, w.reshape(N, -1).to(x.dtype))
+
+
+@torch.library.custom_op("ember::float_linear", mutates_args=())
+def float_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x (M, K) @ weight (N, K).T for float weights: the Triton GEMV on CUDA for one row, else F.linear."""
+    return F.linear(x, weight)
+
+
+@float_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@float_linear.register_kernel("cuda")
+def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if HAS_TRITON and x.shape[0] == 1 and weight.stride(-1) == 1 and weight.stride(0) == weight.shape[1]:
+        from ember.quant import triton_kernels
+
+        return triton_kernels.float_gemv(x.contiguous(), weight)
+    return F.linear(x, weight)
 
 
 @torch.library.custom_op("ember::int8_linear", mutates_args=())
@@ -71,20 +137,22 @@ def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Ten
 
 @torch.library.custom_op("ember::int4_linear", mutates_args=())
 def int4_linear(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int
+    x: torch.Tensor, qweight: torch.Tensor, s16: torch.Tensor, z16: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    return int4_linear_reference(x, qweight, scales, mins, group_size)
+    return int4_linear_reference(x, qweight, s16, z16, group_size)
 
 
 @int4_linear.register_fake
-def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int):
+def _(x: torch.Tensor, qweight: torch.Tensor, s16: torch.Tensor, z16: torch.Tensor, group_size: int):
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 
 @int4_linear.register_kernel("cuda")
-def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int):
+def _(x: torch.Tensor, qweight: torch.Tensor, s16: torch.Tensor, z16: torch.Tensor, group_size: int):
     if HAS_TRITON and x.shape[0] <= GEMV_MAX_ROWS:
         from ember.quant import triton_kernels
 
-        return triton_kernels.int4_gemv(x.contiguous(), qweight, scales, mins, group_size)
-    return int4_linear_reference(x, qweight, scales, mins, group_size)
+        if qweight.dtype == torch.int32:
+            return triton_kernels.int4_tiled_gemv(x.contiguous(), qweight, s16, z16, group_size)
+        return triton_kernels.int4_gemv(x.contiguous(), qweight, s16, z16, group_size)
+    return int4_linear_reference(x, qweight, s16, z16, group_size)

@@ -168,23 +168,29 @@ class Int4WeightOnlyLinear(QuantLinear):
 
     def prepare(self) -> None:
         dev = self.qweight.device
-        # Activations run in bf16 for the CPU int4 kernel: its float32 path is not vectorised (measured ~60x
-        # slower on AVX-512), and scales in the activation dtype halve their bytes on CUDA.
-        act = torch.bfloat16 if dev.type == "cpu" else self.dtype
-        self.register_buffer("_scales_act", self.scales.to(act), persistent=False)
-        self.register_buffer("_mins_act", self.mins.to(act), persistent=False)
         if dev.type == "cpu":
+            # Activations run in bf16 for the CPU int4 kernel: its float32 path is not vectorised (measured
+            # ~60x slower on AVX-512).
             codes = unpack_nibbles(self.qweight).to(torch.int32)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
             # tinygemm's grid is w = (q - 8) * scale + zero, so zero = min + 8 * scale; layout (K/g, N, 2).
             sz = torch.stack((self.scales, self.mins + 8 * self.scales), dim=-1).transpose(0, 1)
             self.register_buffer("_packed_cpu", packed, persistent=False)
             self.register_buffer("_sz_cpu", sz.contiguous().to(torch.bfloat16), persistent=False)
+        else:
+            # Folded for the GEMV kernel, in the activation dtype (half the bytes of float32), and the codes
+            # in the kernel's tiled layout where K allows it (a second copy: the canonical one is the state).
+            s16, z16 = kernels.int4_fold_scales(self.scales, self.mins, self.dtype)
+            self.register_buffer("_s16", s16, persistent=False)
+            self.register_buffer("_z16", z16, persistent=False)
+            tiled = kernels.int4_tiles(self.in_features, self.group_size)
+            words = kernels.int4_tile(self.qweight, self.group_size) if tiled else self.qweight
+            self.register_buffer("_words", words, persistent=False)
 
     def _runtime_buffers(self) -> tuple[str, ...]:
         if self.qweight.device.type == "cpu":
             return ("_packed_cpu", "_sz_cpu")
-        return ("qweight", "_scales_act", "_mins_act")
+        return ("_words", "_s16", "_z16")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -194,7 +200,7 @@ class Int4WeightOnlyLinear(QuantLinear):
                 x2.to(torch.bfloat16), self._packed_cpu, self.group_size, self._sz_cpu
             ).to(x.dtype)
         else:
-            y = kernels.int4_linear(x2, self.qweight, self._scales_act, self._mins_act, self.group_size)
+            y = kernels.int4_linear(x2, self._words, self._s16, self._z16, self.group_size)
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
 
 

@@ -1,11 +1,23 @@
-"""Triton GEMV kernels for decode (few activation rows) over int8 and int4 weights; imported only with Triton.
+"""Triton GEMV kernels for decode (few activation rows) over bf16/fp16, int8 and int4 weights.
 
-Each program owns BLOCK_N output features of one activation row and walks K, loading a (BLOCK_N, BLOCK_K)
-tile of weight bytes per iteration, dequantizing in registers and accumulating in float32. Small BLOCK_N
-keeps enough programs in flight to fill the GPU for N = 4096 (a 128-wide block would give 32 programs for
-132 multiprocessors). The tile sizes are autotuned per (N, K) on the first call, which the compiled step's
-warm-up makes before any CUDA graph is captured. Tested against `ember.quant.kernels.*_reference`, also on
-CPU through Triton's interpreter (TRITON_INTERPRET=1).
+Decoding one stream reads every weight once per token, so these kernels are judged by one number: bytes of
+weights per second against the memory's limit. Each program owns BLOCK_N output features of one activation
+row and walks K in BLOCK_K steps, keeping a (BLOCK_N, BLOCK_K) float32 accumulator in registers that is
+reduced once at the end. What keeps them near the limit on an H100/H200-class GPU:
+
+- Weight rows are read with full-width vector loads and no per-element masks: rows past N are clamped to
+  row 0 (their results are never stored) and K is masked only when BLOCK_K does not divide it.
+- Integer codes become floats without the int-to-float conversion instruction, which runs at a quarter of
+  the FMA rate and would cap an int8 GEMV below the bandwidth limit. The code is written into the mantissa
+  of a float with a fixed exponent instead: for int8, bits(2^23) + 128 + q is the float 2^23 + 128 + q, so
+  one integer add and one float subtract give q exactly; for int4, the nibble placed in the top mantissa bits
+  of 1.0 gives 1 + q/16, and the scale and minimum are stored pre-folded (`ember.quant.kernels.int4_fold_scales`) so that one
+  FMA gives the weight: (1 + q/16) * 16s + (min - 16s) = q*s + min.
+- int4 scales are loaded once per group (the tile is viewed as (BLOCK_N, groups, group size)), not per byte.
+
+The tile sizes are autotuned per (N, K) on the first call, which the compiled step's warm-up makes before
+any CUDA graph is captured. `benchmarks/gpu_gemv.py` sweeps them on a device and compares with cuBLAS.
+Tested against `ember.quant.kernels.*_reference`, also on CPU through Triton's interpreter.
 
 Shape legend: M rows of activations, K input features, N output features, g group size.
 """
@@ -16,41 +28,104 @@ import torch
 import triton
 import triton.language as tl
 
-_CONFIGS = [
-    triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bn, bk, w, s in [
-        (8, 512, 4, 3),
-        (16, 256, 4, 3),
-        (16, 512, 4, 3),
-        (32, 256, 4, 3),
-        (32, 256, 8, 3),
-        (64, 128, 4, 4),
+
+def _configs(entries: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    return [
+        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in entries
     ]
-]
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "K"])
+# (BLOCK_N, BLOCK_K, warps, stages): the tiles that were within a few percent of the best for some
+# Llama-3-8B shape in `benchmarks/gpu_gemv.py` on an H200 (BLOCK_K counts weights). Small BLOCK_N keeps
+# enough programs in flight to fill 132 multiprocessors when N = 4096.
+FLOAT_CONFIGS = _configs([(1, 2048, 8, 1), (1, 2048, 4, 3), (2, 1024, 4, 1), (4, 512, 4, 1), (4, 2048, 8, 1)])
+INT8_CONFIGS = _configs([(8, 512, 8, 1), (8, 1024, 4, 1), (16, 256, 4, 1), (16, 512, 8, 1), (2, 2048, 4, 3)])
+INT4_CONFIGS = _configs([(2, 1024, 4, 1), (4, 512, 4, 1), (8, 256, 4, 1), (16, 256, 4, 1), (16, 512, 4, 1)])
+
+
+def _prune_int4(configs, named_args, **kwargs):
+    """A tile must hold whole groups."""
+    group = kwargs.get("GROUP", named_args.get("GROUP"))
+    kept = [c for c in configs if c.kwargs["BLOCK_K"] % group == 0]
+    return kept or [triton.Config({"BLOCK_N": 4, "BLOCK_K": group}, num_warps=4, num_stages=1)]
+
+
+_HEURISTICS = {"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0}
+
+
 @triton.jit
-def _int8_gemv_kernel(
-    x_ptr, w_ptr, s_ptr, y_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+def _float_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    N,
+    K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
-    pid_n, m = tl.program_id(0), tl.program_id(1)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(1)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(rn < N, rn, 0).to(tl.int64)  # rows past N read row 0 and are not stored
     rk = tl.arange(0, BLOCK_K)
-    n_ok = rn < N
+    w_ptrs = w_ptr + rows[:, None] * K + rk[None, :]
+    x_ptrs = x_ptr + m * K + rk
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        k_ok = kk < K
-        x = tl.load(x_ptr + m * K + kk, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + rn[:, None] * K + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0)
-        acc += w.to(tl.float32) * x[None, :]
-    scale = tl.load(s_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-    out = tl.sum(acc, axis=1) * scale
-    tl.store(y_ptr + m * N + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs)
+        else:
+            k_ok = k0 + rk < K
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out = tl.sum(acc, axis=1)
+    tl.store(y_ptr + m * N + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
-@triton.autotune(configs=_CONFIGS, key=["N", "K"])
+@triton.jit
+def _int8_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    N,
+    K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    MAGIC: tl.constexpr,
+):
+    m = tl.program_id(1)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(rn < N, rn, 0).to(tl.int64)  # rows past N read row 0 and are not stored
+    rk = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows[:, None] * K + rk[None, :]
+    x_ptrs = x_ptr + m * K + rk
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs)
+        else:
+            k_ok = k0 + rk < K
+            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0)
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+        if MAGIC:
+            # bits(2^23) + 128 + q read as a float is 2^23 + 128 + q, exactly (q in [-128, 127]).
+            wf = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+        else:
+            wf = w.to(tl.float32)
+        acc += wf * x.to(tl.float32)[None, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    out = tl.sum(acc, axis=1) * tl.load(s_ptr + rows).to(tl.float32)
+    tl.store(y_ptr + m * N + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
 @triton.jit
 def _int4_gemv_kernel(
     x_ptr,
@@ -63,63 +138,178 @@ def _int4_gemv_kernel(
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
-    # BLOCK_K counts bytes of packed weights (2 weights each); a byte's two nibbles share one group.
-    pid_n, m = tl.program_id(0), tl.program_id(1)
-    KB: tl.constexpr = K // 2
-    G: tl.constexpr = K // GROUP
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rb = tl.arange(0, BLOCK_K)
-    n_ok = rn < N
+    # w: uint8 (N, K/2), low nibble = even k; s, z: (N, K/g) folded as 16 * scale and min - 16 * scale.
+    m = tl.program_id(1)
+    BB: tl.constexpr = BLOCK_K // 2  # bytes per row per step
+    NG: tl.constexpr = BLOCK_K // GROUP  # groups per row per step
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(rn < N, rn, 0).to(tl.int64)  # rows past N read row 0 and are not stored
+    rb = tl.arange(0, BB)
+    rg = tl.arange(0, NG)
+    rk = tl.arange(0, BLOCK_K)
+    KB = K // 2
+    G = K // GROUP
+    w_ptrs = w_ptr + rows[:, None] * KB + rb[None, :]
+    s_ptrs = s_ptr + rows[:, None] * G + rg[None, :]
+    z_ptrs = z_ptr + rows[:, None] * G + rg[None, :]
+    x_ptrs = x_ptr + m * K + rk
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for b0 in range(0, KB, BLOCK_K):
-        bb = b0 + rb
-        b_ok = bb < KB
-        tile_ok = n_ok[:, None] & b_ok[None, :]
-        packed = tl.load(w_ptr + rn[:, None] * KB + bb[None, :], mask=tile_ok, other=0)
-        lo = (packed & 0xF).to(tl.float32)
-        hi = (packed >> 4).to(tl.float32)
-        g = (2 * bb) // GROUP
-        s = tl.load(s_ptr + rn[:, None] * G + g[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + rn[:, None] * G + g[None, :], mask=tile_ok, other=0.0).to(tl.float32)
-        xe = tl.load(x_ptr + m * K + 2 * bb, mask=b_ok, other=0.0).to(tl.float32)
-        xo = tl.load(x_ptr + m * K + 2 * bb + 1, mask=b_ok, other=0.0).to(tl.float32)
-        acc += (lo * s + z) * xe[None, :] + (hi * s + z) * xo[None, :]
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            b = tl.load(w_ptrs)
+            s = tl.load(s_ptrs)
+            z = tl.load(z_ptrs)
+            x = tl.load(x_ptrs)
+        else:
+            b_ok = k0 // 2 + rb < KB
+            g_ok = k0 // GROUP + rg < G
+            b = tl.load(w_ptrs, mask=b_ok[None, :], other=0)
+            s = tl.load(s_ptrs, mask=g_ok[None, :], other=0.0)
+            z = tl.load(z_ptrs, mask=g_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=k0 + rk < K, other=0.0)
+        b = b.to(tl.int32)
+        # Each nibble into mantissa bits 19-22 of 1.0: the float 1 + q/16.
+        lo = ((b << 19) & 0x780000) | 0x3F800000
+        hi = ((b << 15) & 0x780000) | 0x3F800000
+        f = tl.join(lo, hi).reshape(BLOCK_N, NG, GROUP).to(tl.float32, bitcast=True)
+        w = f * s.to(tl.float32)[:, :, None] + z.to(tl.float32)[:, :, None]
+        acc += w.reshape(BLOCK_N, BLOCK_K) * x.to(tl.float32)[None, :]
+        w_ptrs += BB
+        s_ptrs += NG
+        z_ptrs += NG
+        x_ptrs += BLOCK_K
     out = tl.sum(acc, axis=1)
-    tl.store(y_ptr + m * N + rn, out.to(y_ptr.dtype.element_ty), mask=n_ok)
+    tl.store(y_ptr + m * N + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
-def _launch(kernel, blocks: dict | None, N: int, M: int, *args, **kwargs) -> None:
-    """Runs the autotuned kernel, or with fixed `blocks` the plain one (Triton's interpreter cannot autotune)."""
+@triton.jit
+def _int4_tiled_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    y_ptr,
+    N,
+    K: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    # w: int32 (N, K/8) in the tiled layout of `kernels.int4_tile`: word i of tile t holds, in nibble j, the
+    # weight k = 8g*t + g*j + i. So each nibble position is one whole group of contiguous k, and a shift and
+    # a mask per weight unpack a (BLOCK_N, g) block with no shuffling between threads.
+    m = tl.program_id(1)
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.where(rn < N, rn, 0).to(tl.int64)  # rows past N read row 0 and are not stored
+    ri = tl.arange(0, GROUP)
+    KW: tl.constexpr = K // 8
+    G: tl.constexpr = K // GROUP
+    w_ptrs = w_ptr + rows[:, None] * KW + ri[None, :]
+    x_ptrs = x_ptr + m * K + ri
+    s_ptrs = s_ptr + rows * G
+    z_ptrs = z_ptr + rows * G
+    acc = tl.zeros((BLOCK_N, GROUP), dtype=tl.float32)
+    for _ in range(0, K // (8 * GROUP)):
+        words = tl.load(w_ptrs)  # (BLOCK_N, GROUP) int32
+        for j in tl.static_range(8):
+            x = tl.load(x_ptrs + j * GROUP).to(tl.float32)
+            # Nibble j into mantissa bits 19-22 of 1.0: the float 1 + q/16.
+            if j <= 4:
+                bits = (words << (19 - 4 * j)) & 0x780000
+            else:
+                bits = (words >> (4 * j - 19)) & 0x780000
+            f = (bits | 0x3F800000).to(tl.float32, bitcast=True)
+            s = tl.load(s_ptrs + j).to(tl.float32)
+            z = tl.load(z_ptrs + j).to(tl.float32)
+            acc += (f * s[:, None] + z[:, None]) * x[None, :]
+        w_ptrs += GROUP
+        x_ptrs += 8 * GROUP
+        s_ptrs += 8
+        z_ptrs += 8
+    out = tl.sum(acc, axis=1)
+    tl.store(y_ptr + m * N + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
+
+
+TILED_CONFIGS = [  # (BLOCK_N, warps, stages): the best few per Llama-3-8B shape in benchmarks/gpu_gemv.py
+    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
+    for bn, w, s in [(16, 8, 1), (16, 8, 3), (8, 2, 3), (8, 8, 1), (4, 4, 1)]
+]
+_float_tuned = triton.autotune(configs=FLOAT_CONFIGS, key=["N", "K"])(
+    triton.heuristics(_HEURISTICS)(_float_gemv_kernel)
+)
+_int8_tuned = triton.autotune(configs=INT8_CONFIGS, key=["N", "K"])(
+    triton.heuristics(_HEURISTICS)(_int8_gemv_kernel)
+)
+_int4_tuned = triton.autotune(
+    configs=INT4_CONFIGS, key=["N", "K", "GROUP"], prune_configs_by={"early_config_prune": _prune_int4}
+)(triton.heuristics(_HEURISTICS)(_int4_gemv_kernel))
+
+
+def _launch(tuned, plain, blocks: dict | None, M: int, N: int, K: int, args: tuple, **consts) -> None:
+    """Runs the autotuned kernel, or with fixed `blocks` (tile sizes, launch options, kernel flags) the plain
+    one: Triton's interpreter cannot autotune, and the sweep in benchmarks/ picks its own tiles."""
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), M)  # noqa: E731
     if blocks is None:
-        kernel[grid](*args, **kwargs)
+        tuned[grid](*args, **consts)
     else:
-        kernel.fn[grid](*args, **kwargs, **blocks)
+        plain[grid](*args, **{"EVEN_K": K % blocks["BLOCK_K"] == 0, **consts, **blocks})
+
+
+def float_gemv(x: torch.Tensor, weight: torch.Tensor, blocks: dict | None = None) -> torch.Tensor:
+    """x (M, K) contiguous, weight (N, K) -> (M, N) in x's dtype."""
+    (M, K), N = x.shape, weight.shape[0]
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    _launch(_float_tuned, _float_gemv_kernel, blocks, M, N, K, (x, weight, y, N, K))
+    return y
 
 
 def int8_gemv(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, blocks: dict | None = None
 ) -> torch.Tensor:
     """x (M, K) contiguous, qweight int8 (N, K), scales (N,) -> (M, N) in x's dtype."""
-    M, K = x.shape
-    N = qweight.shape[0]
+    (M, K), N = x.shape, qweight.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    _launch(_int8_gemv_kernel, blocks, N, M, x, qweight, scales, y, N, K)
+    consts = {"MAGIC": True} if blocks is None or "MAGIC" not in blocks else {}
+    _launch(_int8_tuned, _int8_gemv_kernel, blocks, M, N, K, (x, qweight, scales, y, N, K), **consts)
+    return y
+
+
+_int4_tiled_tuned = triton.autotune(configs=TILED_CONFIGS, key=["N", "K", "GROUP"])(_int4_tiled_gemv_kernel)
+
+
+def int4_tiled_gemv(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    s16: torch.Tensor,
+    z16: torch.Tensor,
+    group_size: int,
+    blocks: dict | None = None,
+) -> torch.Tensor:
+    """x (M, K) contiguous, words int32 (N, K/8) from `kernels.int4_tile`, folded scales (N, K/g) -> (M, N)."""
+    M, K = x.shape
+    N = words.shape[0]
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), M)  # noqa: E731
+    args = (x, words, s16, z16, y, N, K)
+    if blocks is None:
+        _int4_tiled_tuned[grid](*args, GROUP=group_size)
+    else:
+        _int4_tiled_gemv_kernel[grid](*args, GROUP=group_size, **blocks)
     return y
 
 
 def int4_gemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
-    scales: torch.Tensor,
-    mins: torch.Tensor,
+    s16: torch.Tensor,
+    z16: torch.Tensor,
     group_size: int,
     blocks: dict | None = None,
 ) -> torch.Tensor:
-    """x (M, K) contiguous, qweight uint8 (N, K/2), scales and mins (N, K/g) -> (M, N) in x's dtype."""
-    M, K = x.shape
-    N = qweight.shape[0]
+    """x (M, K) contiguous, qweight uint8 (N, K/2), folded scales (N, K/g) (`kernels.int4_fold_scales`) -> (M, N)."""
+    (M, K), N = x.shape, qweight.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    _launch(_int4_gemv_kernel, blocks, N, M, x, qweight, scales, mins, y, N, K, GROUP=group_size)
+    args = (x, qweight, s16, z16, y, N, K)
+    _launch(_int4_tuned, _int4_gemv_kernel, blocks, M, N, K, args, GROUP=group_size)
     return y

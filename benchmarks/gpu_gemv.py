@@ -1,0 +1,205 @@
+"""Decode GEMV kernels on one GPU, one row of activations: bytes of weights per second per kernel and tile.
+
+For each Llama-3-8B projection shape it times cuBLAS (bf16 `F.linear`), torch's int4 tinygemm
+(`_weight_int4pack_mm`, what gpt-fast and torchao's int4 use) and Ember's Triton kernels over a grid of tile
+sizes (int4: the canonical layout and the tiled one, `int4t`), and prints a table: microseconds per call and GB/s of weight bytes, against a read-only and a copy
+bandwidth measured in the same run. Calls are timed inside a CUDA graph (as the compiled decode step runs
+them), cycling through enough weight copies to defeat the 50 MB L2, median of several replays.
+
+    python benchmarks/gpu_gemv.py                   # all kernels, all shapes
+    python benchmarks/gpu_gemv.py --kinds int4 --top 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import itertools
+import json
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # name: (N, K), Llama-3-8B
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+TILES = [(1, 2048), (2, 1024), (2, 2048), (4, 512), (4, 1024), (4, 2048), (8, 256), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 256)]  # fmt: skip
+WARPS, STAGES = (4, 8), (1, 3)
+POOL_BYTES = 768 << 20  # weight copies per shape: several times the L2
+GROUP = 128
+
+
+def timed_graph(fn, calls: int, replays: int = 7) -> float:
+    """Seconds per call of fn(i) for i in range(calls), captured once in a CUDA graph; median of replays."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for i in range(min(calls, 3)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(calls):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def read_bandwidth() -> tuple[float, float]:
+    """(read-only, copy) bytes/s on 2 GiB of random data."""
+    x = torch.randn(1 << 29, device="cuda")
+    y = torch.empty_like(x)
+    read = x.numel() * 4 / timed_graph(lambda i: x.sum(), 4)
+    copy = 2 * x.numel() * 4 / timed_graph(lambda i: y.copy_(x), 4)
+    return read, copy
+
+
+def weights_for(kind: str, N: int, K: int, copies: int):
+    """A list of `copies` weight tuples for kernel kind, and the bytes one call reads."""
+    from ember.quant.kernels import int4_fold_scales, int4_tile
+    from ember.quant.linear import pack_nibbles, quantize_int4_grouped, quantize_int8_per_channel
+
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+    if kind == "bf16":
+        one = (w,)
+    elif kind == "int8":
+        q, s = quantize_int8_per_channel(w)
+        one = (q, s.to(torch.bfloat16))
+    elif kind in ("int4", "int4t"):
+        codes, sc, mn = quantize_int4_grouped(w, GROUP)
+        packed = pack_nibbles(codes) if kind == "int4" else int4_tile(pack_nibbles(codes), GROUP)
+        one = (packed, *int4_fold_scales(sc, mn, torch.bfloat16))
+    elif kind == "tinygemm":
+        codes, sc, mn = quantize_int4_grouped(w, GROUP)
+        packed = torch.ops.aten._convert_weight_to_int4pack(
+            (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous(), 8
+        )
+        sz = torch.stack((sc, mn + 8 * sc), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        one = (packed, sz)
+    nbytes = sum(t.numel() * t.element_size() for t in one)
+    return [one] + [tuple(t.clone() for t in one) for _ in range(copies - 1)], nbytes
+
+
+def kernel_calls(kind: str, x: torch.Tensor, ws, config: dict | None):
+    from ember.quant import triton_kernels as tk
+
+    if kind == "bf16":
+        if config is None:
+            return lambda i: F.linear(x, ws[i % len(ws)][0])
+        return lambda i: tk.float_gemv(x, ws[i % len(ws)][0], blocks=config)
+    if kind == "int8":
+        return lambda i: tk.int8_gemv(x, *ws[i % len(ws)], blocks=config)
+    if kind == "int4":
+        return lambda i: tk.int4_gemv(x, *ws[i % len(ws)], GROUP, blocks=config)
+    if kind == "int4t":
+        return lambda i: tk.int4_tiled_gemv(x, *ws[i % len(ws)], GROUP, blocks=config)
+    if kind == "tinygemm":
+        return lambda i: torch.ops.aten._weight_int4pack_mm(x, ws[i % len(ws)][0], GROUP, ws[i % len(ws)][1])
+    raise ValueError(kind)
+
+
+def configs_for(kind: str) -> list[dict]:
+    if kind == "int4t":  # one group per nibble position: the tile is (BLOCK_N, GROUP) words
+        return [
+            {"BLOCK_N": bn, "num_warps": w, "num_stages": s}
+            for bn, w, s in itertools.product((1, 2, 4, 8, 16), (2, 4, 8), (1, 3))
+        ]
+    out = []
+    for (bn, bk), w, s in itertools.product(TILES, WARPS, STAGES):
+        if kind == "int4" and bk < GROUP:
+            continue
+        out.append({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s})
+    if kind == "int8":  # the plain int-to-float conversion, for comparison, on a few tiles
+        out += [{**c, "MAGIC": False} for c in out if c["num_stages"] == 1 and c["num_warps"] == 4]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kinds", nargs="*", default=["bf16", "int8", "int4", "int4t", "tinygemm"])
+    ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
+    ap.add_argument("--top", type=int, default=4, help="rows per (kind, shape) in the table")
+    ap.add_argument("--deadline", type=float, default=420, help="seconds; later measurements are skipped")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    read, copy = read_bandwidth()
+    print(f"read-only {read / 1e9:.0f} GB/s, copy {copy / 1e9:.0f} GB/s (read + write)", flush=True)
+    x = torch.randn(1, 1, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for kind in args.kinds:
+        configs = [None] if kind in ("tinygemm",) else configs_for(kind)
+        if kind == "bf16":
+            configs = [None] + configs  # None = cuBLAS
+        for shape in args.shapes:
+            if time.perf_counter() - t_start > args.deadline:
+                print(f"deadline reached; skipping {kind} {shape}", flush=True)
+                continue
+            N, K = SHAPES[shape]
+            try:
+                probe, nbytes = weights_for(kind, N, K, 1)
+            except Exception as e:  # e.g. tinygemm missing on this build
+                print(f"{kind} {shape}: unavailable ({type(e).__name__}: {e})", flush=True)
+                continue
+            copies = max(2, math.ceil(POOL_BYTES / nbytes))
+            ws, nbytes = weights_for(kind, N, K, copies)
+            x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+            compile_in_parallel(kind, x, ws, [c for c in configs if c is not None])
+            for config in configs:
+                try:
+                    sec = timed_graph(kernel_calls(kind, x, ws, config), calls=copies)
+                except Exception as e:
+                    print(f"{kind} {shape} {config}: failed ({type(e).__name__}: {str(e)[:200]})", flush=True)
+                    continue
+                results.append(
+                    dict(kind=kind, shape=shape, config=config, us=sec * 1e6, gb_s=nbytes / sec / 1e9)
+                )
+            del ws
+            torch.cuda.empty_cache()
+            best = sorted(
+                (r for r in results if r["kind"] == kind and r["shape"] == shape), key=lambda r: r["us"]
+            )
+            for r in best[: args.top]:
+                label = "cuBLAS" if r["config"] is None and kind == "bf16" else json.dumps(r["config"])
+                print(
+                    f"{kind:<9}{shape:<9}{r['us']:9.1f} us {r['gb_s']:7.0f} GB/s {100 * r['gb_s'] * 1e9 / read:5.1f}% "
+                    f"of read  {label}",
+                    flush=True,
+                )
+            cublas = [r for r in results if r["kind"] == kind and r["shape"] == shape and r["config"] is None]
+            if kind == "bf16" and cublas and cublas[0] not in best[: args.top]:
+                r = cublas[0]
+                print(f"{kind:<9}{shape:<9}{r['us']:9.1f} us {r['gb_s']:7.0f} GB/s  cuBLAS", flush=True)
+    print("RESULTS " + json.dumps(results), flush=True)
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+
+
+def compile_in_parallel(kind: str, x: torch.Tensor, ws, configs: list[dict]) -> None:
+    """Compiles every config once (Triton's compiler and ptxas run outside the GIL for much of the time)."""
+
+    def one(config):
+        with contextlib.suppress(Exception):  # a failing config is reported when it is timed
+            kernel_calls(kind, x, ws, config)(0)
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, configs))
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
