@@ -8,6 +8,9 @@
 prefix caching) that the server uses; `stream()` runs one request on the single-stream generator (static
 cache, optionally compiled) and yields text deltas as they become final. Outputs carry `.text`, `.token_ids`, `.finish_reason`
 ("stop" or "length") and, with `SamplingParams(logprobs=k)`, per-position log-probabilities.
+
+`LLM(..., quantize="int4-g32")` quantizes the weights; the quantized weights are cached on disk so later
+starts skip it (`quant_cache=False` turns that off; see `ember.quant.cache`).
 """
 
 from __future__ import annotations
@@ -81,12 +84,19 @@ class LLM:
         compile: bool = False,
         compile_prefill: bool = False,
         quantize: str | None = None,
+        quant_cache: bool = True,
         allow_pickle: bool = False,
         progress: bool = False,
         engine_config: EngineConfig | None = None,
     ) -> None:
         self.loaded: LoadedModel = load(
-            model, device=device, dtype=dtype, allow_pickle=allow_pickle, progress=progress, quantize=quantize
+            model,
+            device=device,
+            dtype=dtype,
+            allow_pickle=allow_pickle,
+            progress=progress,
+            quantize=quantize,
+            quant_cache=quant_cache,
         )
         cfg = self.loaded.config
         self.context = min(cfg.max_position_embeddings, max_seq_len or cfg.max_position_embeddings)

@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
             allow_pickle=args.allow_pickle,
             progress=False,
             quantize=args.quantize,
+            quant_cache=args.quant_cache,
         )
         model, device, name = loaded.model, loaded.device, loaded.name
     result = run_bench(

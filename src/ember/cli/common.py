@@ -43,6 +43,14 @@ def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = Fal
         help="quantize weights after loading: int8, int4 (group 128), int4-g32/g64/g256, int8-dyn (CPU)",
     )
     parser.add_argument(
+        "--quant-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --quantize, load the quantized weights that an earlier run saved for the same checkpoint, "
+        "scheme and dtype, or save them for the next run (default: on); they lie in "
+        "$EMBER_CACHE_DIR/quantized, else ~/.cache/ember/quantized",
+    )
+    parser.add_argument(
         "--allow-pickle",
         action="store_true",
         help="allow *.bin/*.pt checkpoints (loaded with torch.load(weights_only=True))",
@@ -94,6 +102,7 @@ def load_llm(args: argparse.Namespace):
         compile=args.compile,
         compile_prefill=args.compile_prefill,
         quantize=args.quantize,
+        quant_cache=args.quant_cache,
         allow_pickle=args.allow_pickle,
         progress=sys.stderr.isatty(),
     )

@@ -12,8 +12,14 @@ import torch
 from ember.config import ModelConfig
 from ember.errors import CheckpointError, EmberError
 from ember.loading.hub import ResolvedModel, resolve
-from ember.loading.safetensors import DictSource, SafetensorsSource, read_hf_config, read_json
-from ember.loading.weights import build_model
+from ember.loading.safetensors import (
+    PICKLE_SUFFIXES,
+    DictSource,
+    SafetensorsSource,
+    read_hf_config,
+    read_json,
+)
+from ember.loading.weights import WeightSource, build_model
 from ember.models.decoder import Decoder
 from ember.models.registry import config_from_hf, get_family
 from ember.tokenizer import Tokenizer
@@ -37,6 +43,8 @@ class LoadedModel:
     # Sampling defaults from generation_config.json (temperature, top_p, top_k, repetition_penalty).
     generation_defaults: dict = field(default_factory=dict)
     load_s: float = 0.0
+    # "hit" or "miss" when the quantized weights went through the quantized-weights cache; None otherwise.
+    quant_cache: str | None = None
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -77,6 +85,14 @@ def _ids(value: object) -> tuple[int, ...]:
     return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)  # type: ignore[union-attr]
 
 
+def source_files(resolved: ResolvedModel) -> list[Path]:
+    """The files whose bytes decide the weights: the GGUF file, or a directory's config.json and weight files."""
+    if resolved.format == "gguf":
+        return [resolved.path]
+    suffixes = (".safetensors", *PICKLE_SUFFIXES)
+    return sorted(p for p in resolved.path.iterdir() if p.name == "config.json" or p.suffix in suffixes)
+
+
 def load(
     name: str | Path,
     *,
@@ -85,8 +101,13 @@ def load(
     allow_pickle: bool = False,
     progress: bool = True,
     quantize: str | None = None,
+    quant_cache: bool = True,
 ) -> LoadedModel:
-    """`quantize` names an `ember.quant` scheme (int8, int4, int4-g32, int8-dyn ...) applied after loading."""
+    """`quantize` names an `ember.quant` scheme (int8, int4, int4-g32, int8-dyn ...) applied after loading.
+
+    With `quant_cache` (the default) a quantized model comes from, or is saved to, the quantized-weights
+    cache (`ember.quant.cache`), so the float weights are read and quantized once per checkpoint and scheme.
+    """
     start = time.perf_counter()
     resolved: ResolvedModel = resolve(name)
     dev = pick_device(device)
@@ -99,14 +120,16 @@ def load(
         hf = gguf.gguf_to_hf_config(reader)
         cfg = config_from_hf(hf)
         family = get_family(cfg.architecture)
-        source = DictSource(gguf.load_gguf_state_dict(reader, dtype=dt))
         tokenizer = Tokenizer.from_gguf(reader)
         extra_eos = _ids(hf.get("eos_token_id"))
+
+        def weights() -> WeightSource:
+            return DictSource(gguf.load_gguf_state_dict(reader, dtype=dt))
+
     else:
         hf = read_hf_config(resolved.path)
         cfg = config_from_hf(hf)
         family = get_family(cfg.architecture)
-        source = SafetensorsSource(resolved.path, allow_pickle=allow_pickle)
         tokenizer = Tokenizer.from_dir(resolved.path)
         gen = _generation_config(resolved.path)
         extra_eos = _ids(gen.get("eos_token_id"))
@@ -117,13 +140,29 @@ def load(
         }
         if gen.get("do_sample") is False:
             gen_defaults["temperature"] = 0.0
-    model = build_model(
-        cfg, family, source, device=dev, dtype=dt, origin=str(resolved.path), progress=progress
-    )
-    if quantize:
+
+        def weights() -> WeightSource:
+            return SafetensorsSource(resolved.path, allow_pickle=allow_pickle)
+
+    def float_model() -> Decoder:
+        # Reading (for GGUF, dequantizing) every float weight: the slow part that a quant-cache hit skips.
+        origin = str(resolved.path)
+        return build_model(cfg, family, weights(), device=dev, dtype=dt, origin=origin, progress=progress)
+
+    cache_state = None
+    if quantize and quant_cache:
+        from ember.quant import cache
+
+        path = cache.cache_file(resolved.name, source_files(resolved), quantize, dt)
+        model, cache_state = cache.load_or_quantize(
+            path, float_model, config=cfg, scheme=quantize, dtype=dt, device=dev
+        )
+    elif quantize:
         from ember.quant import quantize_model
 
-        model = quantize_model(model, quantize)
+        model = quantize_model(float_model(), quantize)
+    else:
+        model = float_model()
     eos = tuple(dict.fromkeys(extra_eos + tuple(tokenizer.eos_token_ids) + cfg.eos_token_ids))
     if not eos:
         raise CheckpointError(f"{resolved.path}: no end-of-sequence token id in the config or tokenizer")
@@ -139,6 +178,7 @@ def load(
         eos_token_ids=eos,
         generation_defaults=gen_defaults,
         load_s=time.perf_counter() - start,
+        quant_cache=cache_state,
     )
     log.info("loaded %s (%s, %s) on %s in %.1f s", resolved.name, cfg.architecture, dt, dev, loaded.load_s)
     return loaded

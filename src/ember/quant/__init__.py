@@ -11,6 +11,13 @@ projection to int8 under int4 schemes); embeddings and norms stay in float. The 
 
 The output projection is the Decoder's `lm_head` module (for tied models it shares the embedding's
 tensor until it is swapped), so it is quantized like any other projection.
+
+Loading a checkpoint with a scheme (`ember.LLM(..., quantize=...)`, `--quantize` of every command) goes
+through the quantized-weights cache (`ember.quant.cache`): the first start saves the quantized model with
+`save_quantized` to `$EMBER_CACHE_DIR/quantized/` (default `~/.cache/ember/quantized/`), later starts load
+it with `load_quantized` and skip reading and quantizing the float weights. `quant_cache=False` /
+`--no-quant-cache` turns it off. Bump `FORMAT_VERSION` whenever the saved form or the quantization math
+changes: it is part of every cache key.
 """
 
 from __future__ import annotations
