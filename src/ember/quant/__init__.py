@@ -140,7 +140,9 @@ def save_quantized(model: nn.Module, path: str | os.PathLike) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     # A tied, unquantized output projection is the embedding itself: saved once, re-tied on load.
     shared = (
-        {"lm_head.weight"} if type(model.lm_head) is nn.Linear and model.config.tie_word_embeddings else set()
+        {"lm_head.weight"}
+        if isinstance(model.lm_head, nn.Linear) and model.config.tie_word_embeddings
+        else set()
     )
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k not in shared}
     meta = {
