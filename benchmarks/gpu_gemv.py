@@ -136,7 +136,10 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--top", type=int, default=4, help="rows per (kind, shape) in the table")
     ap.add_argument("--deadline", type=float, default=420, help="seconds; later measurements are skipped")
+    ap.add_argument("--check", action="store_true", help="first check Ember's modules against float math")
     args = ap.parse_args()
+    if args.check:
+        check_modules()
     t_start = time.perf_counter()
     read, copy = read_bandwidth()
     print(f"read-only {read / 1e9:.0f} GB/s, copy {copy / 1e9:.0f} GB/s (read + write)", flush=True)
@@ -187,6 +190,35 @@ def main() -> None:
                 print(f"{kind:<9}{shape:<9}{r['us']:9.1f} us {r['gb_s']:7.0f} GB/s  cuBLAS", flush=True)
     print("RESULTS " + json.dumps(results), flush=True)
     print(f"total {time.perf_counter() - t_start:.0f} s")
+
+
+def check_modules() -> None:
+    """Ember's modules on this GPU against float math on their dequantized weights: relative error per
+    (scheme, shape, rows). One row takes the decode kernels; 17 rows the prefill path."""
+    from torch import nn
+
+    from ember.ops.linear import Linear
+    from ember.quant import QuantSpec
+
+    for (N, K), scheme, rows in itertools.product(
+        [(4096, 4096), (6144, 14336)], ["bf16", "int8", "int4-g32", "int4-g128"], [1, 4, 17]
+    ):
+        linear = Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
+        nn.init.normal_(linear.weight, std=0.02)
+        x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
+        if scheme == "bf16":
+            module, w = linear, linear.weight.float()
+        else:
+            module = QuantSpec.parse(scheme).make(linear)
+            module.prepare()
+            w = module.dequantize()
+        with torch.no_grad():
+            y = module(x).float()
+        ref = x.float() @ w.T
+        err = float((y - ref).norm() / ref.norm())
+        kernel = getattr(module, "_kernel", "")
+        print(f"check {scheme:<10}{kernel:<9} N={N:<6} K={K:<6} rows={rows:<3} rel err {err:.2e}", flush=True)
+        assert err < 2e-2, (scheme, N, K, rows, err)
 
 
 def compile_in_parallel(kind: str, x: torch.Tensor, ws, configs: list[dict]) -> None:

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # Triton kernels (used on CUDA only) are tested on CPU in Triton's interpreter, which has to be chosen before
 # anything imports triton. A run of the suite on a GPU machine can set TRITON_INTERPRET=0.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Caches that Ember writes (quantized weights) go to a fresh folder, never the user's home; tests that check
+# caching point EMBER_CACHE_DIR at their own tmp_path.
+os.environ["EMBER_CACHE_DIR"] = tempfile.mkdtemp(prefix="ember-test-cache-")
+atexit.register(shutil.rmtree, os.environ["EMBER_CACHE_DIR"], ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

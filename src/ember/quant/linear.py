@@ -167,19 +167,32 @@ class Int4WeightOnlyLinear(QuantLinear):
         return (codes * self.scales[..., None] + self.mins[..., None]).reshape(N, K)
 
     def prepare(self) -> None:
+        """Picks the kernel for this device and dtype and builds its layout (a second copy of the codes; the
+        canonical one stays the state dict):
+
+        - "tinygemm": torch's int4 kernels (`_weight_int4pack_mm*`), on CPU and for bf16 on CUDA. On an H200
+          they read Llama-3-8B's projections 10-25% faster than Ember's Triton GEMV at one row
+          (BENCHMARKS.md) and serve prefill with tensor cores.
+        - "triton": Ember's tiled GEMV (`ember.quant.kernels.int4_linear`) for other CUDA dtypes.
+        """
         dev = self.qweight.device
-        if dev.type == "cpu":
-            # Activations run in bf16 for the CPU int4 kernel: its float32 path is not vectorised (measured
-            # ~60x slower on AVX-512).
-            codes = unpack_nibbles(self.qweight).to(torch.int32)
-            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        tiles = next((t for t in (8, 4, 2) if self.in_features % (16 * t) == 0), None)
+        cuda_ok = self.dtype == torch.bfloat16 and self.out_features % 8 == 0 and tiles is not None
+        self._kernel = "tinygemm" if dev.type == "cpu" or (dev.type == "cuda" and cuda_ok) else "triton"
+        if self._kernel == "tinygemm":
+            codes = unpack_nibbles(self.qweight)
+            if dev.type == "cpu":
+                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+            else:  # CUDA packs (N, K/2) bytes with the even k in the high nibble
+                hi_even = (codes[:, 0::2] << 4 | codes[:, 1::2]).contiguous()
+                packed = torch.ops.aten._convert_weight_to_int4pack(hi_even, tiles)
             # tinygemm's grid is w = (q - 8) * scale + zero, so zero = min + 8 * scale; layout (K/g, N, 2).
             sz = torch.stack((self.scales, self.mins + 8 * self.scales), dim=-1).transpose(0, 1)
-            self.register_buffer("_packed_cpu", packed, persistent=False)
-            self.register_buffer("_sz_cpu", sz.contiguous().to(torch.bfloat16), persistent=False)
+            self.register_buffer("_packed", packed, persistent=False)
+            self.register_buffer("_sz", sz.contiguous().to(torch.bfloat16), persistent=False)
         else:
-            # Folded for the GEMV kernel, in the activation dtype (half the bytes of float32), and the codes
-            # in the kernel's tiled layout where K allows it (a second copy: the canonical one is the state).
+            # Scales folded for the GEMV kernel, in the activation dtype, and the codes in its tiled layout
+            # where K allows it.
             s16, z16 = kernels.int4_fold_scales(self.scales, self.mins, self.dtype)
             self.register_buffer("_s16", s16, persistent=False)
             self.register_buffer("_z16", z16, persistent=False)
@@ -188,17 +201,18 @@ class Int4WeightOnlyLinear(QuantLinear):
             self.register_buffer("_words", words, persistent=False)
 
     def _runtime_buffers(self) -> tuple[str, ...]:
-        if self.qweight.device.type == "cpu":
-            return ("_packed_cpu", "_sz_cpu")
-        return ("_words", "_s16", "_z16")
+        return ("_packed", "_sz") if self._kernel == "tinygemm" else ("_words", "_s16", "_z16")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, K)
-        if x.device.type == "cpu":
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2.to(torch.bfloat16), self._packed_cpu, self.group_size, self._sz_cpu
-            ).to(x.dtype)
+        if self._kernel == "tinygemm":
+            # bf16 activations: the only dtype of the CUDA kernel, and the CPU kernel's float32 path is not
+            # vectorised (measured ~60x slower on AVX-512).
+            mm = (
+                torch.ops.aten._weight_int4pack_mm_for_cpu if x.is_cpu else torch.ops.aten._weight_int4pack_mm
+            )
+            y = mm(x2.to(torch.bfloat16), self._packed, self.group_size, self._sz).to(x.dtype)
         else:
             y = kernels.int4_linear(x2, self._words, self._s16, self._z16, self.group_size)
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
