@@ -207,7 +207,7 @@ def check_modules() -> None:
         nn.init.normal_(linear.weight, std=0.02)
         x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16)
         if scheme == "bf16":
-            module, w = linear, linear.weight.float()
+            module, w = linear, linear.weight.detach().float()
         else:
             module = QuantSpec.parse(scheme).make(linear)
             module.prepare()
