@@ -18,7 +18,9 @@ def greedy(gen: Generator, prompt: list[int], n: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("quantize", [None, "int4-g32"])
-def test_compiled_decode_matches_eager(quantize):
+def test_compiled_decode_matches_eager(quantize, monkeypatch):
+    # torch.compile's decode step (CUDA's, and CPU's fallback); tests/engine/test_aoti.py covers CPU's default.
+    monkeypatch.setenv("EMBER_AOTI", "0")
     model = random_model("tiny", device="cpu", dtype=torch.float32)
     if quantize:
         quantize_model(model, quantize)

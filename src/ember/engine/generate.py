@@ -4,9 +4,11 @@
 detokenization live in `ember.engine.output`.
 
 Speed notes (single-stream decode is bound by reading every weight once per step):
-- The decode step has static shapes (B=1, T=1, a fixed cache), so `compile=True` hands it to torch.compile
-  once, fullgraph, and keeps the compiled callable on this object. On CUDA it runs as a CUDA graph
-  ("reduce-overhead"); on CPU inductor emits C++. `compile_prefill=True` compiles the prefill with dynamic
+- The decode step has static shapes (B=1, T=1, a fixed cache), so `compile=True` compiles it once and keeps
+  the compiled callable on this object. On CUDA torch.compile runs it as a CUDA graph ("reduce-overhead").
+  On CPU it is an AOTInductor package (`ember.engine.aoti`: C++ from end to end, no guards, compiled once
+  per model shape and cached on disk); if that cannot be built, torch.compile's step, with a log line
+  saying why. EMBER_AOTI=0 chooses torch.compile. `compile_prefill=True` compiles the prefill with dynamic
   shapes, so prompts of new lengths do not recompile.
 - The next step is queued before the host waits for this step's token: the token is copied to pinned memory
   behind an event, so the GPU never idles while Python streams a token. The one sync per token is that event.
@@ -16,6 +18,7 @@ Speed notes (single-stream decode is bound by reading every weight once per step
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -132,6 +135,8 @@ class Generator:
             self.dtype = model.model.norm.weight.dtype
         self.cache: StaticKVCache | None = None
         self.compiled = compile
+        # CPU decode tries the AOTInductor step when the first cache is made (see _cache_for).
+        self._try_aoti = compile and device.type == "cpu" and os.environ.get("EMBER_AOTI", "1") != "0"
         self._decode: StepFn = self._forward
         self._prefill: StepFn = self._forward
         if compile:
@@ -159,7 +164,20 @@ class Generator:
                 # Static addresses let the CUDA graph write the cache in place instead of copying it.
                 for t in self.cache.k + self.cache.v:
                     torch._dynamo.mark_static_address(t)
+            if self._try_aoti:
+                self._try_aoti = False  # one package serves every cache length: build or load it once
+                self._use_aoti(self.cache)
         return self.cache
+
+    def _use_aoti(self, cache: StaticKVCache) -> None:
+        """Decodes with the AOTInductor step if it builds here; keeps torch.compile's step (and says why) if not."""
+        from ember.engine.aoti import load_decode_step
+
+        try:
+            self._decode = load_decode_step(self.model, cache)
+        except Exception as e:  # export, inductor and the C++ compiler fail in many ways; each is logged
+            reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            log.warning("AOTInductor decode step unavailable (%s); decoding with torch.compile", reason)
 
     def _run_decode(self, token: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         if self.compiled and self.device.type == "cuda":

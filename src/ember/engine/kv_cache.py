@@ -8,6 +8,8 @@ slots, and a mask hides the slots after the query's position (and, for sliding-w
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ember.config import ModelConfig
@@ -53,6 +55,14 @@ class StaticKVCache:
         self._slots = torch.arange(max_seq_len, device=device)[None]  # (1, S)
         self._positions: torch.Tensor | None = None
         self._masks: dict[int | None, torch.Tensor] = {}
+
+    def with_tensors(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> StaticKVCache:
+        """This cache's layout over other (B, K, S, D) tensors, of any S: an exported step takes them as inputs."""
+        view = copy.copy(self)
+        view.k, view.v = k, v
+        view.max_seq_len = k[0].shape[2]
+        view._slots = torch.arange(view.max_seq_len, device=k[0].device)[None]  # (1, S)
+        return view
 
     def begin(self, positions: torch.Tensor) -> None:
         """Called once per forward with positions (B, T): builds each window's mask once for all layers."""

@@ -1,0 +1,65 @@
+"""The AOTInductor CPU decode step: the eager step's greedy tokens, one package for every cache length that
+later Generators load instead of compiling, and torch.compile's step when the package cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from ember.bench import random_model
+from ember.engine.aoti import AOTIDecodeStep
+from ember.engine.generate import Generator
+from ember.engine.sampler import SamplingParams
+from ember.quant import quantize_model
+
+CPU = torch.device("cpu")
+
+
+def greedy(gen: Generator, prompt: list[int], n: int) -> list[int]:
+    params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+    return [s.token_id for s in gen.generate(prompt, params, (), None)]
+
+
+def tiny(quantize: str | None):
+    model = random_model("tiny", device="cpu", dtype=torch.float32)
+    return quantize_model(model, quantize) if quantize else model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize", [None, "int4-g32"])  # int4-g32: aten's int4 op and ember::int8_linear
+def test_aoti_decode_matches_eager_and_is_reused(quantize, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    model = tiny(quantize)
+    prompt = torch.randint(0, model.config.vocab_size, (7,)).tolist()
+    eager = Generator(model, device=CPU, context=600)
+    compiled = Generator(model, device=CPU, context=600, compile=True)
+    expected = greedy(eager, prompt, 12)
+    assert greedy(compiled, prompt, 12) == expected
+    assert isinstance(compiled._decode, AOTIDecodeStep)
+    # A longer request grows the cache from 256 to 512 slots; the cache length is dynamic in the package.
+    assert greedy(compiled, prompt[:5], 300) == greedy(eager, prompt[:5], 300)
+    assert compiled.cache.max_seq_len == 512
+    assert len(list((tmp_path / "aoti").glob("*.pt2"))) == 1
+    # A new Generator (or process) for a model of this shape loads the package instead of compiling it.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ember.engine.aoti"):
+        again = Generator(model, device=CPU, context=600, compile=True)
+        assert greedy(again, prompt, 12) == expected
+    assert "loaded" in caplog.text and "compiling" not in caplog.text
+
+
+@pytest.mark.slow
+def test_unbuildable_aoti_step_falls_back_to_torch_compile(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(blocker))  # the package folder cannot be created under a file
+    model = tiny("int4-g32")
+    prompt = torch.randint(0, model.config.vocab_size, (7,)).tolist()
+    compiled = Generator(model, device=CPU, context=64, compile=True)
+    with caplog.at_level(logging.WARNING, logger="ember.engine.generate"):
+        tokens = greedy(compiled, prompt, 12)
+    assert "AOTInductor decode step unavailable" in caplog.text
+    assert not isinstance(compiled._decode, AOTIDecodeStep)
+    assert tokens == greedy(Generator(model, device=CPU, context=64), prompt, 12)
