@@ -2,7 +2,9 @@
 
 Prefill: a 128-token prompt, tokens/s. Decode: 128 greedy tokens after it, tokens/s over the decode steps.
 Medians of 3 timed runs after one warm-up. llama.cpp runs the GGUF's own Q4_1/Q8_0 weights; transformers
-dequantizes them to float32; Ember runs float32 and its quantized schemes, compiled.
+dequantizes them to float32; Ember runs float32 and its quantized schemes, compiled (the decode step as an
+AOTInductor package, built once per model shape and cached; `--torch-compile` adds rows with torch.compile's
+step, EMBER_AOTI=0, for comparison).
 
     taskset -c 0,1 python benchmarks/cpu_smollm2.py --threads 2
 
@@ -93,9 +95,13 @@ def bench_transformers() -> dict:
     )
 
 
-def bench_ember(quantize: str | None, compile: bool) -> dict:
+def bench_ember(quantize: str | None, compile: bool, aoti: bool = True) -> dict:
+    import os
+
     from ember.bench import run_bench
     from ember.loading.checkpoint import load
+
+    os.environ["EMBER_AOTI"] = "1" if aoti else "0"  # read when the Generator is made
 
     loaded = load("smollm2-135m-instruct", device="cpu", progress=False, quantize=quantize)
     r = run_bench(
@@ -110,7 +116,7 @@ def bench_ember(quantize: str | None, compile: bool) -> dict:
         compile_prefill=compile,
         quantize=quantize,
     )
-    label = f"ember {quantize or 'fp32'}{' compiled' if compile else ''}"
+    label = f"ember {quantize or 'fp32'}{(' AOTI' if aoti else ' torch.compile') if compile else ''}"
     return dict(
         engine=label,
         prefill_tok_s=r.prefill_tokens_per_s,
@@ -124,10 +130,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ember", nargs="*", default=["none", "int4-g32", "int8-dyn"], help="quantize schemes")
+    ap.add_argument(
+        "--torch-compile", action="store_true", help="also run each scheme with torch.compile's decode step"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rows = [bench_llama_cpp(args.threads), bench_transformers()]
-    rows += [bench_ember(None if q == "none" else q, compile=True) for q in args.ember]
+    for q in args.ember:
+        rows.append(bench_ember(None if q == "none" else q, compile=True))
+        if args.torch_compile:
+            rows.append(bench_ember(None if q == "none" else q, compile=True, aoti=False))
     for r in rows:
         print("RESULT " + json.dumps(r), flush=True)
     ref = rows[0]
