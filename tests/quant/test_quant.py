@@ -119,6 +119,16 @@ def test_quantize_save_load_round_trip(scheme, tmp_path):
     assert perplexity(loaded, tokens) == pytest.approx(after, rel=1e-6)
 
 
+def test_int4_groups_that_do_not_divide_a_width_are_refused_naming_the_fits():
+    model = random_model("tiny", device="cpu", dtype=torch.float32)
+    widths = sorted({m.in_features for m in model.modules() if isinstance(m, nn.Linear)})
+    bad = next(g for g in (256, 128, 64) if any(k % g for k in widths))
+    with pytest.raises(EmberError, match=f"int4-g{bad}: groups of {bad} do not divide") as e:
+        quantize_model(model, f"int4-g{bad}")
+    assert "int4-g32" in str(e.value)
+    assert not getattr(model, "quantization", None)  # nothing was swapped
+
+
 def test_unknown_scheme_and_double_quantization_are_errors():
     with pytest.raises(EmberError, match="int3"):
         QuantSpec.parse("int3")

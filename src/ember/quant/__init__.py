@@ -7,7 +7,8 @@
 Schemes (`SCHEMES`): "int8" (weight-only, per channel), "int4" (weight-only, groups of 128 along K; "int4-gN"
 picks N in 32/64/128/256), "int8-dyn" (int8 weights and dynamically quantized int8 activations, for CPUs
 with VNNI). The attention and MLP projections and the output projection are swapped (the output
-projection to int8 under int4 schemes); embeddings and norms stay in float. The scheme is read from `model.quantization` or the file's metadata, never guessed.
+projection to int8-dyn under int4 schemes, see `output_scheme_for`); embeddings and norms stay in float. The
+scheme is read from `model.quantization` or the file's metadata, never guessed.
 
 The output projection is the Decoder's `lm_head` module (for tied models it shares the embedding's
 tensor until it is swapped), so it is quantized like any other projection.
@@ -88,9 +89,14 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def output_scheme_for(scheme: str) -> str:
-    """The output projection's scheme: int8 under int4 schemes (as GGUF files keep it at Q8_0), since int4
-    logits cost SmolLM2-135M 9.6% perplexity where int4 layers cost 0.04% (BENCHMARKS.md)."""
-    return "int8" if QuantSpec.parse(scheme).scheme == "int4" else scheme
+    """The output projection's scheme: int8 weights with dynamic int8 activations under int4 schemes.
+
+    Not int4: int4 logits cost SmolLM2-135M 9.6% perplexity where int4 layers cost 0.04%. int8 weights, as
+    GGUF files keep the output at Q8_0; int8 activations too (as llama.cpp's Q8 activations), because on a
+    CPU that halves the time of the largest matmul of a small model's step for +0.7% perplexity (int4-g32
+    in all: +1.2%, inside the 3% kept for int4; BENCHMARKS.md). On CUDA that module runs weight-only.
+    """
+    return "int8-dyn" if QuantSpec.parse(scheme).scheme == "int4" else scheme
 
 
 @torch.no_grad()
@@ -100,6 +106,14 @@ def quantize_model(model: nn.Module, scheme: str, *, output: bool = True) -> nn.
     if getattr(model, "quantization", None):
         raise EmberError(f"the model is already quantized ({model.quantization['scheme']})")
     names = _targets(model)
+    if spec.scheme == "int4":  # checked before any swap, so a refused model is left as it was
+        widths = sorted({model.get_submodule(n).in_features for n in names})
+        if any(k % spec.group_size for k in widths):
+            fits = [f"int4-g{g}" for g in (32, 64, 128, 256) if all(k % g == 0 for k in widths)]
+            raise EmberError(
+                f"{spec.name}: groups of {spec.group_size} do not divide this model's input widths "
+                f"{widths}; use {' or '.join(fits) if fits else 'int8'}"
+            )
     for name in names:
         module = spec.make(model.get_submodule(name))
         module.prepare()
