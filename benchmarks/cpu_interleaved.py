@@ -1,0 +1,101 @@
+"""Ember's compiled decode step vs llama.cpp's, one step each in turn, in one process (SmolLM2, this CPU).
+
+On a shared VM the speed of a process drifts by 10-20% from minute to minute, so two engines measured one
+after the other can swap places. Here both generate from the same 128-token prompt and take their decode
+steps alternately (Ember's step, llama.cpp's step, ...), so any drift hits both alike; the table gives the
+median step of each over all rounds, and the median of the per-round medians.
+
+    PYTHONPATH=src taskset -c 0,1 python benchmarks/cpu_interleaved.py --scheme int4-g32 --rounds 5
+
+Needs llama-cpp-python (built as BENCHMARKS.md says).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from ember.engine.generate import Generator
+from ember.engine.sampler import SamplingParams
+from ember.loading.checkpoint import load
+from ember.loading.hub import DEFAULT_MODEL, resolve
+
+
+class LlamaCppSteps:
+    """llama.cpp behind Generator.generate's shape: the first item is the prefill, each later one a step."""
+
+    def __init__(self, path: str, threads: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(
+            model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False
+        )
+
+    def generate(self, prompt: list[int], params: SamplingParams, *_):
+        llm = self.llm
+        llm.reset()
+        llm.eval(prompt)
+        for _ in range(params.max_tokens):
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            yield token
+            llm.eval([token])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scheme", default="int4-g32", help="Ember's --quantize scheme ('none' for float32)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    scheme = None if args.scheme == "none" else args.scheme
+    loaded = load(DEFAULT_MODEL, device="cpu", progress=False, quantize=scheme)
+    prompt = torch.randint(3, loaded.config.vocab_size, (128,), generator=torch.Generator().manual_seed(0))
+    prompt = prompt.tolist()
+    params = SamplingParams(max_tokens=args.new_tokens + 1, temperature=0.0, ignore_eos=True)
+    engines = {
+        f"Ember {args.scheme} (compiled)": Generator(
+            loaded.model, device=torch.device("cpu"), context=512, compile=True
+        ),
+        "llama.cpp (GGUF weights)": LlamaCppSteps(str(resolve(DEFAULT_MODEL).path), args.threads),
+    }
+    for name, engine in engines.items():  # warm-up: compiles (or loads the compiled step)
+        t = time.perf_counter()
+        for _ in engine.generate(prompt, params, (), None):
+            pass
+        print(f"{name}: warm-up {time.perf_counter() - t:.1f} s", flush=True)
+    steps: dict[str, list[float]] = {n: [] for n in engines}
+    round_medians: dict[str, list[float]] = {n: [] for n in engines}
+    for r in range(args.rounds):
+        streams = {n: e.generate(prompt, params, (), None) for n, e in engines.items()}
+        for stream in streams.values():
+            next(stream)  # the prefill and the first token
+        this_round: dict[str, list[float]] = {n: [] for n in engines}
+        for _ in range(args.new_tokens):
+            for name, stream in streams.items():
+                t = time.perf_counter()
+                next(stream)
+                this_round[name].append(time.perf_counter() - t)
+        for name, times in this_round.items():
+            steps[name] += times
+            round_medians[name].append(statistics.median(times) * 1e3)
+        print(f"round {r}: " + ", ".join(f"{n} {v[-1]:.2f} ms" for n, v in round_medians.items()), flush=True)
+    print(
+        f"\n{'engine':<34}{'median step (ms)':>18}{'tok/s':>8}{'median of rounds (ms)':>23}{'vs llama.cpp':>14}"
+    )
+    ref = statistics.median(steps["llama.cpp (GGUF weights)"])
+    for name, times in steps.items():
+        m = statistics.median(times)
+        print(
+            f"{name:<34}{m * 1e3:>18.2f}{1 / m:>8.1f}{statistics.median(round_medians[name]):>23.2f}"
+            f"{ref / m:>13.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
