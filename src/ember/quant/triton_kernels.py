@@ -54,40 +54,7 @@ _HEURISTICS = {"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0}
 
 
 @triton.jit
-def _float_gemv_kernel(
-    x_ptr,
-    w_ptr,
-    y_ptr,
-    N,
-    K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    m = tl.program_id(1)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = tl.where(rn < N, rn, 0).to(tl.int64)  # rows past N read row 0 and are not stored
-    rk = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + rows[:, None] * K + rk[None, :]
-    x_ptrs = x_ptr + m * K + rk
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs)
-        else:
-            k_ok = k0 + rk < K
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=k_ok, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-    out = tl.sum(acc, axis=1)
-    tl.store(y_ptr + m * N + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
-
-
-@triton.jit
-def _int8_gemv_kernel(
+def _gemv_kernel(
     x_ptr,
     w_ptr,
     s_ptr,
@@ -97,8 +64,10 @@ def _int8_gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,
+    INT8: tl.constexpr,
     MAGIC: tl.constexpr,
 ):
+    # Float weights (INT8=False, s_ptr unused), or int8 codes with one scale per row (INT8=True).
     m = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.where(rn < N, rn, 0).to(tl.int64)  # rows past N read row 0 and are not stored
@@ -114,7 +83,7 @@ def _int8_gemv_kernel(
             k_ok = k0 + rk < K
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0)
             x = tl.load(x_ptrs, mask=k_ok, other=0.0)
-        if MAGIC:
+        if INT8 and MAGIC:
             # bits(2^23) + 128 + q read as a float is 2^23 + 128 + q, exactly (q in [-128, 127]).
             wf = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
         else:
@@ -122,7 +91,9 @@ def _int8_gemv_kernel(
         acc += wf * x.to(tl.float32)[None, :]
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    out = tl.sum(acc, axis=1) * tl.load(s_ptr + rows).to(tl.float32)
+    out = tl.sum(acc, axis=1)
+    if INT8:
+        out = out * tl.load(s_ptr + rows).to(tl.float32)
     tl.store(y_ptr + m * N + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
@@ -236,10 +207,10 @@ TILED_CONFIGS = [  # (BLOCK_N, warps, stages): the best few per Llama-3-8B shape
     for bn, w, s in [(16, 8, 1), (16, 8, 3), (8, 2, 3), (8, 8, 1), (4, 4, 1)]
 ]
 _float_tuned = triton.autotune(configs=FLOAT_CONFIGS, key=["N", "K"])(
-    triton.heuristics(_HEURISTICS)(_float_gemv_kernel)
+    triton.heuristics(_HEURISTICS)(_gemv_kernel)
 )
 _int8_tuned = triton.autotune(configs=INT8_CONFIGS, key=["N", "K"])(
-    triton.heuristics(_HEURISTICS)(_int8_gemv_kernel)
+    triton.heuristics(_HEURISTICS)(_gemv_kernel)
 )
 _int4_tuned = triton.autotune(
     configs=INT4_CONFIGS, key=["N", "K", "GROUP"], prune_configs_by={"early_config_prune": _prune_int4}
@@ -260,7 +231,8 @@ def float_gemv(x: torch.Tensor, weight: torch.Tensor, blocks: dict | None = None
     """x (M, K) contiguous, weight (N, K) -> (M, N) in x's dtype."""
     (M, K), N = x.shape, weight.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    _launch(_float_tuned, _float_gemv_kernel, blocks, M, N, K, (x, weight, y, N, K))
+    args = (x, weight, weight, y, N, K)  # no scales: the weight pointer stands in, unread
+    _launch(_float_tuned, _gemv_kernel, blocks, M, N, K, args, INT8=False, MAGIC=False)
     return y
 
 
@@ -270,8 +242,8 @@ def int8_gemv(
     """x (M, K) contiguous, qweight int8 (N, K), scales (N,) -> (M, N) in x's dtype."""
     (M, K), N = x.shape, qweight.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    consts = {"MAGIC": True} if blocks is None or "MAGIC" not in blocks else {}
-    _launch(_int8_tuned, _int8_gemv_kernel, blocks, M, N, K, (x, qweight, scales, y, N, K), **consts)
+    consts = {"INT8": True, **({"MAGIC": True} if blocks is None or "MAGIC" not in blocks else {})}
+    _launch(_int8_tuned, _gemv_kernel, blocks, M, N, K, (x, qweight, scales, y, N, K), **consts)
     return y
 
 
