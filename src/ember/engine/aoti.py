@@ -166,7 +166,10 @@ def load_decode_step(model: Decoder, cache: StaticKVCache) -> AOTIDecodeStep:
     path = folder / f"decode-{package_key(model, cache.k[0].dtype)}.pt2"
     if not path.exists():
         start = time.perf_counter()
-        log.info("compiling the AOTInductor decode step into %s (once per model shape)", path)
+        # Minutes of silence otherwise: say so once, at the level the CLI shows by default.
+        log.warning(
+            "compiling the decode step ahead of time (once per model shape; a few minutes) into %s", path
+        )
         compile_decode_step(model, cache, path)
         log.info("AOTInductor decode step compiled in %.1f s", time.perf_counter() - start)
     start = time.perf_counter()
