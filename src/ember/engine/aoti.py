@@ -33,6 +33,7 @@ from torch import nn
 import ember
 from ember.engine.kv_cache import StaticKVCache
 from ember.models.decoder import Decoder
+from ember.paths import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -41,11 +42,8 @@ _TRACED_SOURCES = ("config.py", "models", "ops", "quant", "engine/kv_cache.py", 
 
 
 def cache_dir() -> Path:
-    """`$EMBER_CACHE_DIR/aoti`, else the user cache's ember/aoti (beside the quantized-weights cache)."""
-    root = os.environ.get("EMBER_CACHE_DIR")
-    if not root:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ember"
-    return Path(root).expanduser() / "aoti"
+    """`aoti/` under Ember's cache root (`ember.paths.cache_root`), beside the quantized-weights cache."""
+    return cache_root() / "aoti"
 
 
 def _cpu_name() -> str:

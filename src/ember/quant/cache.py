@@ -31,6 +31,7 @@ from safetensors import SafetensorError
 
 from ember.config import ModelConfig
 from ember.models.decoder import Decoder
+from ember.paths import cache_root
 from ember.quant import (
     FORMAT_VERSION,
     QuantSpec,
@@ -42,16 +43,12 @@ from ember.quant import (
 
 log = logging.getLogger(__name__)
 
-CACHE_DIR_ENV = "EMBER_CACHE_DIR"
 _unwritable_warned: set[Path] = set()  # folders already warned about, so a process warns once per folder
 
 
 def cache_dir() -> Path:
-    """Where quantized weights are cached: `$EMBER_CACHE_DIR/quantized`, else the user cache's ember/quantized."""
-    root = os.environ.get(CACHE_DIR_ENV)
-    if not root:
-        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ember"
-    return Path(root).expanduser() / "quantized"
+    """Where quantized weights are cached: `quantized/` under Ember's cache root (`ember.paths.cache_root`)."""
+    return cache_root() / "quantized"
 
 
 def cache_file(name: str, sources: Sequence[Path], scheme: str, dtype: torch.dtype) -> Path:
