@@ -124,6 +124,9 @@ def load(
         extra_eos = _ids(hf.get("eos_token_id"))
 
         def weights() -> WeightSource:
+            # Quantizing: one GGUF tensor dequantized at a time. Float: all at once, on several threads.
+            if quantize:
+                return gguf.GGUFSource(reader, dtype=dt)
             return DictSource(gguf.load_gguf_state_dict(reader, dtype=dt))
 
     else:
@@ -144,10 +147,13 @@ def load(
         def weights() -> WeightSource:
             return SafetensorsSource(resolved.path, allow_pickle=allow_pickle)
 
-    def float_model() -> Decoder:
-        # Reading (for GGUF, dequantizing) every float weight: the slow part that a quant-cache hit skips.
+    def read_model() -> Decoder:
+        # Reading (for GGUF, dequantizing) every weight: the slow part that a quant-cache hit skips. With a
+        # scheme, each projection is quantized as it is read, so the float model never exists whole.
         origin = str(resolved.path)
-        return build_model(cfg, family, weights(), device=dev, dtype=dt, origin=origin, progress=progress)
+        return build_model(
+            cfg, family, weights(), device=dev, dtype=dt, origin=origin, progress=progress, quantize=quantize
+        )
 
     cache_state = None
     if quantize and quant_cache:
@@ -155,14 +161,14 @@ def load(
 
         path = cache.cache_file(resolved.name, source_files(resolved), quantize, dt)
         model, cache_state = cache.load_or_quantize(
-            path, float_model, config=cfg, scheme=quantize, dtype=dt, device=dev
+            path, read_model, config=cfg, scheme=quantize, dtype=dt, device=dev
         )
     elif quantize:
         from ember.quant import quantize_model
 
-        model = quantize_model(float_model(), quantize)
+        model = quantize_model(read_model(), quantize)
     else:
-        model = float_model()
+        model = read_model()
     eos = tuple(dict.fromkeys(extra_eos + tuple(tokenizer.eos_token_ids) + cfg.eos_token_ids))
     if not eos:
         raise CheckpointError(f"{resolved.path}: no end-of-sequence token id in the config or tokenizer")

@@ -462,18 +462,31 @@ def _to_torch(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(a).to(dtype)
 
 
-def _convert_tensor(
-    t: gguf.ReaderTensor, arch: str, fam: _Family, cfg: dict, dtype: torch.dtype
-) -> list[tuple[str, torch.Tensor]]:
-    """One GGUF tensor -> its HF-named tensor(s) in the HF layout (several for stacked MoE experts)."""
+def _hf_names(t: gguf.ReaderTensor, arch: str, fam: _Family, cfg: dict) -> tuple[str, str, list[str]]:
+    """One GGUF tensor -> (its key in the family table, its HF name with `{e}` for an expert index, the HF
+    names it becomes); no names for tensors that HF checkpoints do not carry. Raises CheckpointError for a
+    tensor the family does not know."""
     m = _BLOCK_RE.fullmatch(t.name)
     key, layer = (f"blk.{{i}}.{m[2]}", m[1]) if m else (t.name, None)
     if key not in fam.tensors:
         raise CheckpointError(f"GGUF tensor {t.name!r} has no Hugging Face name for architecture {arch!r}")
     entry = fam.tensors[key]
     if entry is None:
+        return key, "", []
+    name = entry[0].replace("{i}", layer) if layer is not None else entry[0]
+    if "{e}" in name:  # stacked experts: one HF tensor per expert
+        return key, name, [name.replace("{e}", str(e)) for e in range(_dims(cfg)["X"])]
+    return key, name, [name]
+
+
+def _convert_tensor(
+    t: gguf.ReaderTensor, arch: str, fam: _Family, cfg: dict, dtype: torch.dtype
+) -> list[tuple[str, torch.Tensor]]:
+    """One GGUF tensor -> its HF-named tensor(s) in the HF layout (several for stacked MoE experts)."""
+    key, name, names = _hf_names(t, arch, fam, cfg)
+    if not names:
         return []
-    template, symbols = entry
+    symbols = fam.tensors[key][1]
     try:
         w = gguf.quants.dequantize(t.data, t.tensor_type)
     except NotImplementedError as e:
@@ -484,22 +497,17 @@ def _convert_tensor(
         w = _unpermute_rows(w, cfg["num_key_value_heads"])
     if fam.norm_offset and key.endswith("norm.weight"):
         w = w.astype(np.float32) - np.float32(fam.norm_offset)
-    name = template.replace("{i}", layer) if layer is not None else template
     dims = _dims(cfg)
     expected = tuple(dims[s] for s in symbols)
-    if "{e}" in name:
-        # Stacked experts: (X, out, in) -> X tensors of (out, in).
+    if "{e}" in name:  # (X, out, in) -> X tensors of (out, in)
         expected = (dims["X"], *expected)
-        names = [name.replace("{e}", str(e)) for e in range(dims["X"])]
-    else:
-        names = [name]
     if tuple(w.shape) != expected:
         shown = name.replace("{e}", "*")
         raise CheckpointError(
             f"GGUF tensor {t.name!r} ({shown!r}) has shape {tuple(w.shape)} but the config implies {expected}"
         )
     if len(names) == 1:
-        return [(name, _to_torch(w, dtype))]
+        return [(names[0], _to_torch(w, dtype))]
     return [(n, _to_torch(w[e], dtype)) for e, n in enumerate(names)]
 
 
@@ -521,3 +529,27 @@ def load_gguf_state_dict(
         for pairs in pool.map(lambda t: _convert_tensor(t, arch, fam, cfg, dtype), reader.tensors):
             out.update(pairs)
     return out
+
+
+class GGUFSource:
+    """The HF-named tensors of a GGUF file (a `WeightSource`), each GGUF tensor dequantized only when one of
+    its names is asked for: with a loader that quantizes as it reads, the float model never exists whole.
+    (`load_gguf_state_dict` converts everything at once, on several threads, for float loads.)"""
+
+    def __init__(self, reader: gguf.GGUFReader, dtype: torch.dtype = torch.float32) -> None:
+        self._arch, self._fam = _family(reader)
+        self._cfg = gguf_to_hf_config(reader)
+        self._dtype = dtype
+        self._owner = {
+            n: t for t in reader.tensors for n in _hf_names(t, self._arch, self._fam, self._cfg)[2]
+        }
+        self._last: tuple[gguf.ReaderTensor | None, dict[str, torch.Tensor]] = (None, {})
+
+    def names(self) -> set[str]:
+        return set(self._owner)
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self._owner[name]
+        if self._last[0] is not t:  # experts of one GGUF tensor are asked for one after the other
+            self._last = (t, dict(_convert_tensor(t, self._arch, self._fam, self._cfg, self._dtype)))
+        return self._last[1][name]

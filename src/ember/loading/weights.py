@@ -5,6 +5,10 @@ parts its family's `packed` table names (concatenated on dim 0); for MoE expert 
 per-expert parts its `stacked` table names (each expert's parts concatenated, then stacked on a new dim 0).
 Anything missing or left over is an error naming the weights: a silently random layer is the worst bug a
 loader can have.
+
+With `quantize`, each projection that the scheme swaps is quantized as soon as its weight is read, so a
+large checkpoint never needs its whole float model in memory (with a lazy source such as `GGUFSource`);
+`ember.quant.quantize_model` then does the rest (the output projection, the record of the scheme).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import logging
 from typing import Protocol
 
 import torch
+from torch import nn
 from tqdm.auto import tqdm
 
 from ember.config import ModelConfig
@@ -65,10 +70,17 @@ def build_model(
     dtype: torch.dtype,
     origin: str,
     progress: bool = True,
+    quantize: str | None = None,
 ) -> Decoder:
     """Materialises a Decoder for `cfg` from `source`; `origin` names the checkpoint in error messages."""
     with torch.device("meta"):
         model = Decoder(cfg)
+    spec, targets = None, set()
+    if quantize:
+        from ember.quant import QuantSpec, check_fits
+
+        spec = QuantSpec.parse(quantize)
+        targets = set(check_fits(model, spec))  # refuses a scheme that does not fit before reading anything
     available = source.names()
     if family.rename is not None:
         renamed = {family.rename(n): n for n in available}
@@ -104,10 +116,9 @@ def build_model(
         raise CheckpointError(f"{origin}: unexpected weights for {cfg.architecture}: {_describe(unexpected)}")
 
     expected = model.state_dict()
-    state: dict[str, torch.Tensor] = {}
-    for name, (groups, stack) in tqdm(
-        plan.items(), desc="loading weights", unit="tensor", disable=not progress, leave=False
-    ):
+
+    def read(name: str) -> torch.Tensor:
+        groups, stack = plan[name]
         fused = [_concat([source.get(renamed[p]) for p in group]) for group in groups]
         tensor = torch.stack(fused) if stack else fused[0]
         if tensor.shape != expected[name].shape:
@@ -115,9 +126,28 @@ def build_model(
                 f"{origin}: weight {name} has shape {tuple(tensor.shape)}, "
                 f"expected {tuple(expected[name].shape)} from the config"
             )
-        state[name] = tensor.to(device=device, dtype=dtype)
-    missing_after, _ = model.load_state_dict(state, strict=False, assign=True)
-    assert set(missing_after) <= tied, f"unassigned weights {missing_after}"
+        return tensor.to(device=device, dtype=dtype)
+
+    state: dict[str, torch.Tensor] = {}
+    swapped: dict[str, nn.Module] = {}
+    for name in tqdm(plan, desc="loading weights", unit="tensor", disable=not progress, leave=False):
+        module, _, leaf = name.rpartition(".")
+        if module not in targets:
+            state[name] = read(name)
+        elif leaf == "weight":  # its bias, if any, comes next in the plan and is read with it
+            weight = read(name)
+            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+            linear.weight = nn.Parameter(weight, requires_grad=False)
+            if f"{module}.bias" in plan:
+                linear.bias = nn.Parameter(read(f"{module}.bias"), requires_grad=False)
+            swapped[module] = spec.make(linear)
+            swapped[module].prepare()
+            del weight, linear
+    unassigned, _ = model.load_state_dict(state, strict=False, assign=True)
+    assert {n.rpartition(".")[0] for n in unassigned if n not in tied} <= set(swapped), unassigned
+    for module, quantized in swapped.items():
+        parent, _, leaf = module.rpartition(".")
+        setattr(model.get_submodule(parent), leaf, quantized)
     model.tie_weights()
     model.init_buffers(device)
     model.eval().requires_grad_(False)

@@ -73,12 +73,14 @@ class QuantSpec:
         return MODULES[self.scheme].from_float(linear)
 
 
-def _targets(model: nn.Module) -> list[str]:
+def quantized_projections(model: nn.Module) -> list[str]:
+    """The names of the projections a scheme swaps (attention and dense MLP; MoE experts stay float), also
+    those a loader already swapped while reading the weights (`ember.loading.weights.build_model`)."""
     names = []
     for i, layer in enumerate(model.model.layers):
         for proj in _PROJECTIONS:
             parent, _, leaf = proj.partition(".")
-            if isinstance(getattr(getattr(layer, parent), leaf, None), nn.Linear):  # MoE experts stay float
+            if isinstance(getattr(getattr(layer, parent), leaf, None), (nn.Linear, QuantLinear)):
                 names.append(f"model.layers.{i}.{proj}")
     return names
 
@@ -99,14 +101,11 @@ def output_scheme_for(scheme: str) -> str:
     return "int8-dyn" if QuantSpec.parse(scheme).scheme == "int4" else scheme
 
 
-@torch.no_grad()
-def quantize_model(model: nn.Module, scheme: str, *, output: bool = True) -> nn.Module:
-    """Swaps the projections of a Decoder (and, with `output`, the output projection) in place; returns it."""
-    spec = QuantSpec.parse(scheme)
-    if getattr(model, "quantization", None):
-        raise EmberError(f"the model is already quantized ({model.quantization['scheme']})")
-    names = _targets(model)
-    if spec.scheme == "int4":  # checked before any swap, so a refused model is left as it was
+def check_fits(model: nn.Module, spec: QuantSpec) -> list[str]:
+    """The projections `spec` will swap; an EmberError naming the groups that fit when an int4 group size does
+    not divide some projection's input width (checked before anything is swapped or loaded)."""
+    names = quantized_projections(model)
+    if spec.scheme == "int4":
         widths = sorted({model.get_submodule(n).in_features for n in names})
         if any(k % spec.group_size for k in widths):
             fits = [f"int4-g{g}" for g in (32, 64, 128, 256) if all(k % g == 0 for k in widths)]
@@ -114,8 +113,26 @@ def quantize_model(model: nn.Module, scheme: str, *, output: bool = True) -> nn.
                 f"{spec.name}: groups of {spec.group_size} do not divide this model's input widths "
                 f"{widths}; use {' or '.join(fits) if fits else 'int8'}"
             )
+    return names
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, scheme: str, *, output: bool = True) -> nn.Module:
+    """Swaps the projections of a Decoder (and, with `output`, the output projection) in place; returns it.
+
+    Projections that are already modules of this scheme (a loader that quantizes as it reads, so the float
+    model never exists whole) are kept; the rest are quantized here."""
+    spec = QuantSpec.parse(scheme)
+    if getattr(model, "quantization", None):
+        raise EmberError(f"the model is already quantized ({model.quantization['scheme']})")
+    names = check_fits(model, spec)
     for name in names:
-        module = spec.make(model.get_submodule(name))
+        module = model.get_submodule(name)
+        if isinstance(module, QuantLinear):  # quantized as it was loaded
+            if module.scheme != spec.scheme:
+                raise EmberError(f"{name} was loaded as {module.scheme}, not {spec.name}")
+            continue
+        module = spec.make(module)
         module.prepare()
         _set(model, name, module)
     if output:
