@@ -72,6 +72,9 @@ def read_bandwidth() -> tuple[float, float]:
 
 def weights_for(kind: str, N: int, K: int, copies: int):
     """A list of `copies` weight tuples for kernel kind, and the bytes one call reads."""
+    from torch import nn
+
+    from ember.quant import QuantSpec
     from ember.quant.kernels import int4_fold_scales, int4_tile
     from ember.quant.linear import pack_nibbles, quantize_int4_grouped, quantize_int8_per_channel
 
@@ -85,13 +88,13 @@ def weights_for(kind: str, N: int, K: int, copies: int):
         codes, sc, mn = quantize_int4_grouped(w, GROUP)
         packed = pack_nibbles(codes) if kind == "int4" else int4_tile(pack_nibbles(codes), GROUP)
         one = (packed, *int4_fold_scales(sc, mn, torch.bfloat16))
-    elif kind == "tinygemm":
-        codes, sc, mn = quantize_int4_grouped(w, GROUP)
-        packed = torch.ops.aten._convert_weight_to_int4pack(
-            (codes[:, ::2] << 4 | codes[:, 1::2]).contiguous(), 8
-        )
-        sz = torch.stack((sc, mn + 8 * sc), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-        one = (packed, sz)
+    elif kind == "tinygemm":  # Ember's int4 module builds torch's layout for bf16 on CUDA
+        linear = nn.Linear(K, N, bias=False, device="meta")
+        linear.weight = nn.Parameter(w, requires_grad=False)
+        module = QuantSpec.parse(f"int4-g{GROUP}").make(linear)
+        module.prepare()
+        assert module._kernel == "tinygemm"
+        one = (module._packed, module._sz)
     nbytes = sum(t.numel() * t.element_size() for t in one)
     return [one] + [tuple(t.clone() for t in one) for _ in range(copies - 1)], nbytes
 

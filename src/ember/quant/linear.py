@@ -171,7 +171,7 @@ class Int4WeightOnlyLinear(QuantLinear):
         canonical one stays the state dict):
 
         - "tinygemm": torch's int4 kernels (`_weight_int4pack_mm*`), on CPU and for bf16 on CUDA. On an H200
-          they read Llama-3-8B's projections 10-25% faster than Ember's Triton GEMV at one row
+          they read Llama-3-8B's projections 8-21% faster than Ember's tiled Triton GEMV at one row
           (BENCHMARKS.md) and serve prefill with tensor cores.
         - "triton": Ember's tiled GEMV (`ember.quant.kernels.int4_linear`) for other CUDA dtypes.
         """
