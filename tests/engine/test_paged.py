@@ -40,7 +40,10 @@ def static_greedy(llm: ember.LLM, ids: list[int], max_tokens: int) -> list[int]:
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 49152, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+    return [
+        torch.randint(3, 49152, (int(torch.randint(3, 40, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 @torch.no_grad()
@@ -78,7 +81,9 @@ def test_paged_prefill_and_decode_logits_match_static_cache(windowed_llm):
             r = reqs[i]
             all_ids = r.all_ids[: r.num_computed + n]
             static = StaticKVCache(cfg, batch_size=1, max_seq_len=64, device="cpu", dtype=torch.float32)
-            ref = model.compute_logits(model(torch.tensor([all_ids]), torch.arange(len(all_ids))[None], static))[0]
+            ref = model.compute_logits(
+                model(torch.tensor([all_ids]), torch.arange(len(all_ids))[None], static)
+            )[0]
             assert (logits[offset : offset + n] - ref[r.num_computed :]).abs().max() < 1e-4
             offset += n
         for i, n in step:
@@ -103,7 +108,9 @@ def test_preemption_under_memory_pressure_keeps_outputs(windowed_llm):
     params = ember.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     expected = [static_greedy(llm, ids, 20) for ids in ps]
     per_block = core_block_bytes(llm, 4)
-    core = EngineCore(llm.loaded, EngineConfig(kv_cache_memory=per_block * 26, block_size=4, max_batched_tokens=32))
+    core = EngineCore(
+        llm.loaded, EngineConfig(kv_cache_memory=per_block * 26, block_size=4, max_batched_tokens=32)
+    )
     for i, ids in enumerate(ps):
         core.add_request(str(i), ids, params)
     results = core.run_to_completion()

@@ -3,7 +3,8 @@
 Static shapes make the decode step compile to one graph (and one CUDA graph): every step attends over all S
 slots, and a mask hides the slots after the query's position (and, for sliding-window layers, those
 `window` or more positions behind it). Rows of a batch may sit at different positions. CPU decode steps
-(one token per row) attend with `decode_attention`, plain matmuls that beat SDPA's kernel there.
+(one token per row) attend with `decode_attention`, plain matmuls that beat SDPA's kernel there; CUDA decode
+steps with `ember::decode_attention`, a Triton kernel that reads only the slots up to each row's position.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 
 from ember.config import ModelConfig
 from ember.ops.attention import causal_mask, sdpa_attention
+from ember.ops.decode_attention import decode_attention as cuda_decode_attention
+from ember.ops.rope import apply_rope
 
 
 def decode_attention(
@@ -76,17 +79,35 @@ class StaticKVCache:
         k: torch.Tensor,
         v: torch.Tensor,
         *,
+        rope: tuple[torch.Tensor, torch.Tensor],
         window: int | None,
         scale: float,
         softcap: float | None,
     ) -> torch.Tensor:
         pos = self._positions
         assert pos is not None, "StaticKVCache.begin(positions) must run before the forward"
-        B = q.shape[0]
+        B, T, H, D = q.shape
+        if T == 1 and softcap is None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+            # One kernel: rope, this step's cache write, attention over the slots up to each position.
+            cos, sin = rope
+            out = cuda_decode_attention(
+                q.view(B, H, D),
+                k.view(B, -1, D),
+                v.view(B, -1, D),
+                cos[:, 0],
+                sin[:, 0],
+                self.k[layer][:B],
+                self.v[layer][:B],
+                pos[:, 0],
+                scale,
+                window or 0,
+            )  # (B, H, D)
+            return out.unsqueeze(1)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         rows = torch.arange(B, device=q.device)[:, None]  # (B, 1)
         self.k[layer][rows, :, pos] = k  # k (B, T, K, D) lands at cache[b, :, pos[b, t]]
         self.v[layer][rows, :, pos] = v
-        if q.shape[1] == 1 and softcap is None and q.device.type == "cpu":  # CPU decode (measured there only)
+        if T == 1 and softcap is None and q.device.type == "cpu":  # CPU decode (measured there only)
             return decode_attention(q, self.k[layer][:B], self.v[layer][:B], self._masks[window][:B], scale)
         out = sdpa_attention(
             q.transpose(1, 2),  # (B, H, T, D)

@@ -18,6 +18,7 @@ import torch
 
 from ember.config import ModelConfig
 from ember.ops.attention import causal_mask, sdpa_attention
+from ember.ops.rope import apply_rope
 
 
 @dataclass
@@ -96,13 +97,15 @@ class PagedKVCache:
         k: torch.Tensor,
         v: torch.Tensor,
         *,
+        rope: tuple[torch.Tensor, torch.Tensor],
         window: int | None,
         scale: float,
         softcap: float | None,
     ) -> torch.Tensor:
-        """q (1, N, H, D), k and v (1, N, K, D) packed -> (1, N, H, D)."""
+        """q (1, N, H, D), k and v (1, N, K, D) packed, q and k before rope (cos, sin) -> (1, N, H, D)."""
         b = self.batch
         assert b is not None
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_pool, v_pool = self.k[layer], self.v[layer]
         k_pool[b.slot_mapping] = k[0]
         v_pool[b.slot_mapping] = v[0]

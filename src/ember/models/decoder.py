@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import ModelConfig
-from ember.ops.linear import Linear
-from ember.ops.rope import Rope, apply_rope
+from ember.ops.linear import Linear, project
+from ember.ops.norm import RMSNorm
+from ember.ops.rope import Rope
 
 
 class KVCache(Protocol):
@@ -37,27 +38,17 @@ class KVCache(Protocol):
         k: torch.Tensor,
         v: torch.Tensor,
         *,
+        rope: tuple[torch.Tensor, torch.Tensor],
         window: int | None,
         scale: float,
         softcap: float | None,
     ) -> torch.Tensor:
-        """q (B, T, H, D), k and v (B, T, K, D) -> (B, T, H, D)."""
+        """q (B, T, H, D), k and v (B, T, K, D) -> (B, T, H, D).
+
+        q and k arrive before rope; `rope` is (cos, sin) (B, T, R) for their positions, applied by the cache
+        so that a backend can fuse it with the cache write and attention.
+        """
         ...
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.offset = offset  # Gemma: the stored weight w scales by (1 + w)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (xf * (self.offset + self.weight.float())).to(x.dtype)
-        return self.weight * xf.to(x.dtype)
 
 
 ACTIVATIONS = {
@@ -83,9 +74,17 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+    def forward(
+        self, x: torch.Tensor, *, norm: RMSNorm | None = None, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """[residual +] mlp([norm](x)); the norm, SwiGLU's activation and the add run inside the projections'
+        kernels where they can (`ember.ops.linear.project`)."""
+        if self.act is F.silu:
+            h = project(self.gate_up_proj, x, norm=norm, glu=True)
+        else:
+            gate, up = self.gate_up_proj(x if norm is None else norm(x)).chunk(2, dim=-1)
+            h = self.act(gate) * up
+        return project(self.down_proj, h, residual=residual)
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -181,10 +180,20 @@ class Attention(nn.Module):
         self.scale = cfg.attention_scale if cfg.attention_scale is not None else self.D**-0.5
         self.softcap = cfg.attn_logit_softcap
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        *,
+        norm: RMSNorm | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """[residual +] attention([norm](x)), the norm and the add fused as in MLP."""
         B, T, _ = x.shape
         H, K, D = self.H, self.K, self.D
-        q, k, v = self.qkv_proj(x).split([H * D, K * D, K * D], dim=-1)
+        q, k, v = project(self.qkv_proj, x, norm=norm).split([H * D, K * D, K * D], dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, H, D)  # (B, T, H, D)
@@ -192,9 +201,10 @@ class Attention(nn.Module):
         v = v.view(B, T, K, D)  # (B, T, K, D)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = cache.attend(self.layer, q, k, v, window=self.window, scale=self.scale, softcap=self.softcap)
-        return self.o_proj(out.reshape(B, T, H * D))
+        out = cache.attend(
+            self.layer, q, k, v, rope=(cos, sin), window=self.window, scale=self.scale, softcap=self.softcap
+        )
+        return project(self.o_proj, out.reshape(B, T, H * D), residual=residual)
 
 
 class DecoderLayer(nn.Module):
@@ -226,8 +236,11 @@ class DecoderLayer(nn.Module):
         cos, sin = rope
         m = self.residual_multiplier
         if self.placement == "pre":
-            h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache) * m
-            return h + self.mlp(self.post_attention_layernorm(h)) * m
+            if m != 1.0 or isinstance(self.mlp, MoE):  # Granite scales the branches; MoE has no fused path
+                h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache) * m
+                return h + self.mlp(self.post_attention_layernorm(h)) * m
+            h = self.self_attn(x, cos, sin, cache, norm=self.input_layernorm, residual=x)
+            return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
         if self.placement == "sandwich":
             h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache))
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))

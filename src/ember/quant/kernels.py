@@ -5,6 +5,8 @@ activations x (M, K) and the weights of `ember.quant.linear` (int4 scales folded
 return y (M, N) in x's dtype.
 
 - `ember::float_linear(x, weight)`: bf16/fp16 weights, one row on CUDA (used by `ember.ops.linear.Linear`).
+- `ember::fused_linear(...)`: float or int8 weights with the layer's RMSNorm before, SwiGLU's
+  silu(gate) * up and the residual add after, in one GEMV (decode on CUDA; `ember.ops.linear.project`).
 - CUDA, M <= 8 (decode): Triton GEMV kernels that read each weight byte once and dequantize in registers.
   Decoding one stream is bound by reading weights, so int8 reads half the bytes of bf16 and int4 a quarter;
   torch's bf16 matmul with a separate dequantize would read the weights twice and write them once.
@@ -24,6 +26,8 @@ import logging
 
 import torch
 import torch.nn.functional as F
+
+from ember.ops.norm import rms_norm
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +112,69 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
         return triton_kernels.float_gemv(x.contiguous(), weight)
     return F.linear(x, weight)
+
+
+def fused_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    eps: float,
+    norm_offset: float,
+    glu: bool,
+) -> torch.Tensor:
+    """The unfused ops: [residual +] [silu(gate) * up of] linear([rms_norm](x)).
+
+    x (M, K); weight (N, K) float, or int8 codes with scales (N,); norm_weight (K,); residual (M, N or N/2);
+    glu: the weight is a fused gate/up projection (gate rows over up rows) -> (M, N/2).
+    """
+    if norm_weight is not None:
+        x = rms_norm(x, norm_weight, eps, norm_offset)
+    y = F.linear(x, weight) if scales is None else int8_linear_reference(x, weight, scales)
+    if glu:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    return y if residual is None else residual + y
+
+
+@torch.library.custom_op("ember::fused_linear", mutates_args=())
+def fused_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor | None,
+    norm_weight: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    eps: float,
+    norm_offset: float,
+    glu: bool,
+) -> torch.Tensor:
+    """`fused_linear_reference`; on CUDA, for one row, one Triton GEMV: the norm's sum of squares rides in
+    the weight loop, silu(gate) * up and the residual add in the store."""
+    return fused_linear_reference(x, weight, scales, norm_weight, residual, eps, norm_offset, glu)
+
+
+@fused_linear.register_fake
+def _(x, weight, scales, norm_weight, residual, eps, norm_offset, glu):
+    return x.new_empty(x.shape[0], weight.shape[0] // (2 if glu else 1))
+
+
+@fused_linear.register_kernel("cuda")
+def _(x, weight, scales, norm_weight, residual, eps, norm_offset, glu):
+    if HAS_TRITON and x.shape[0] == 1 and weight.is_contiguous():
+        from ember.quant import triton_kernels
+
+        return triton_kernels.fused_gemv(
+            x.contiguous(),
+            weight,
+            scales,
+            glu=glu,
+            norm_weight=norm_weight,
+            eps=eps,
+            norm_offset=norm_offset,
+            residual=None if residual is None else residual.contiguous(),
+        )
+    return fused_linear_reference(x, weight, scales, norm_weight, residual, eps, norm_offset, glu)
 
 
 @torch.library.custom_op("ember::int8_linear", mutates_args=())

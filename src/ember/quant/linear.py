@@ -58,6 +58,10 @@ class QuantLinear(nn.Module):
         """What, beside the scheme, is needed to rebuild this module from its state dict (saved as metadata)."""
         return {}
 
+    def gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(codes, per-row scales) for `ember::fused_linear`, or None when its kernel cannot run this module."""
+        return None
+
     def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
 
@@ -122,6 +126,9 @@ class Int8WeightOnlyLinear(QuantLinear):
         # the CPU int8 kernel crashed (SIGSEGV) on one such weight in tests.
         self.qweight = self.qweight.clone()
         self.register_buffer("_scales_act", self.scales.to(self.dtype), persistent=False)
+
+    def gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        return (self.qweight, self._scales_act) if self.bias is None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

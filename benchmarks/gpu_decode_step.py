@@ -1,0 +1,199 @@
+"""A decode step's work around the weight GEMVs, on one GPU: Ember's fused norm/residual GEMV and its Triton
+decode attention, checked against their plain-torch twins and timed against what they replace.
+
+    python benchmarks/gpu_decode_step.py --check   # kernels, and a whole model against float32, on the GPU
+    python benchmarks/gpu_decode_step.py           # timings (CUDA graphs, Llama-3-8B shapes)
+
+Timings cycle through enough weight / cache copies to defeat the 50 MB L2, as `gpu_gemv.py` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_gemv import timed_graph  # noqa: E402
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def check_kernels() -> None:
+    from ember.ops import triton_attention
+    from ember.ops.decode_attention import decode_attention_reference
+    from ember.ops.rope import Rope, RopeConfig
+    from ember.quant import triton_kernels as tk
+    from ember.quant.kernels import fused_linear_reference
+    from ember.quant.linear import quantize_int8_per_channel
+
+    dev, bf = "cuda", torch.bfloat16
+    worst = 0.0
+    for H, K, D, R in [(32, 8, 128, 128), (9, 3, 64, 64), (8, 4, 256, 256), (16, 16, 96, 32)]:
+        rope = Rope(RopeConfig(theta=10000.0, rotary_dim=R, max_position_embeddings=8192))
+        rope.init_buffers(dev)
+        for S in (384, 4096):
+            qkv = torch.randn(2, (H + 2 * K) * D, device=dev, dtype=bf)
+            q, k, v = (t.view(2, -1, D) for t in qkv.split([H * D, K * D, K * D], dim=-1))
+            kc = torch.randn(2, K, S, D, device=dev, dtype=bf)
+            vc = torch.randn(2, K, S, D, device=dev, dtype=bf)
+            pos = torch.tensor([S // 3, S - 1], device=dev)
+            cos, sin = (t[:, 0] for t in rope(pos[:, None]))
+            for window in (0, 100):
+                wk, wv = kc.clone(), vc.clone()
+                want = decode_attention_reference(q, k, v, cos, sin, wk, wv, pos, D**-0.5, window)
+                for splits in (None, 1, 4):
+                    gk, gv = kc.clone(), vc.clone()
+                    got = triton_attention.decode_attention(
+                        q, k, v, cos, sin, gk, gv, pos, D**-0.5, window, splits=splits
+                    )
+                    err = max(rel(got, want), rel(gk, wk), rel(gv, wv))
+                    worst = max(worst, err)
+                    assert err < 2e-2, (H, K, D, R, S, window, splits, err)
+    print(f"decode attention (rope + cache write) vs reference: worst relative error {worst:.2e}")
+    worst = 0.0
+    for N, K in [(28672, 4096), (6144, 4096), (4096, 14336), (3072, 576)]:
+        x = torch.randn(1, K, device=dev, dtype=bf)
+        w = torch.randn(N, K, device=dev, dtype=bf) * 0.02
+        g = (1 + 0.1 * torch.randn(K, device=dev)).to(bf)
+        r = torch.randn(1, N, device=dev, dtype=bf)
+        q8, s8 = quantize_int8_per_channel(w)
+        for weight, scales in [(w, None), (q8, s8.to(bf))]:
+            for norm, glu, res, off in [(g, False, None, 0.0), (g, False, None, 1.0), (None, False, r, 0.0),
+                                        (g, True, None, 0.0), (None, True, None, 0.0)]:  # fmt: skip
+                got = tk.fused_gemv(x, weight, scales, glu=glu, norm_weight=norm, eps=1e-5, norm_offset=off,
+                                    residual=res)  # fmt: skip
+                f32 = lambda t: None if t is None else t.float()  # noqa: E731
+                w32 = weight if scales is not None else weight.float()  # int8 codes stay codes
+                want = fused_linear_reference(
+                    x.float(), w32, f32(scales), f32(norm), f32(res), 1e-5, off, glu
+                )
+                err = rel(got, want)
+                worst = max(worst, err)
+                assert err < 2e-2, (
+                    N,
+                    K,
+                    scales is not None,
+                    norm is not None,
+                    glu,
+                    res is not None,
+                    off,
+                    err,
+                )
+    print(
+        f"fused GEMV (norm / silu-glu / residual, bf16 / int8) vs float32 reference: worst relative error {worst:.2e}"
+    )
+
+
+@torch.inference_mode()
+def check_model(shape: str = "llama-3.2-1b", prompt: int = 40, steps: int = 24) -> None:
+    """Decode logits of the bf16 model on the GPU (fused kernels) and on the CPU (the unfused torch ops), each
+    against the same weights in float32 on the GPU, teacher-forced on the float32 model's greedy tokens."""
+    from ember.bench import random_model
+    from ember.engine.kv_cache import StaticKVCache
+
+    gpu = random_model(shape, device="cuda", dtype=torch.bfloat16)
+    ref = random_model(shape, device="cuda", dtype=torch.float32)
+    ref.load_state_dict({k: v.float() for k, v in gpu.state_dict().items()})
+    cpu = random_model(shape, device="cpu", dtype=torch.bfloat16)
+    cpu.load_state_dict({k: v.cpu() for k, v in gpu.state_dict().items()})
+    runs = {}
+    for name, model, dev in [("ref", ref, "cuda"), ("gpu", gpu, "cuda"), ("cpu", cpu, "cpu")]:
+        cache = StaticKVCache(model.config, batch_size=1, max_seq_len=prompt + steps, device=dev,
+                              dtype=next(model.parameters()).dtype)  # fmt: skip
+        runs[name] = (model, cache, dev)
+    tokens = torch.randint(0, gpu.config.vocab_size, (1, prompt))
+    logits = {}
+    for name, (model, cache, dev) in runs.items():
+        pos = torch.arange(prompt)[None].to(dev)
+        logits[name] = [model.compute_logits(model(tokens.to(dev), pos, cache)[:, -1]).float().cpu()]
+    agree = 0
+    for i in range(steps):
+        nxt = logits["ref"][-1].argmax(-1)
+        agree += int(logits["gpu"][-1].argmax(-1) == nxt) if i else 0
+        for name, (model, cache, dev) in runs.items():
+            pos = torch.tensor([[prompt + i]], device=dev)
+            out = model(nxt.view(1, 1).to(dev), pos, cache)
+            logits[name].append(model.compute_logits(out[:, -1]).float().cpu())
+    e_gpu = max(rel(a, b) for a, b in zip(logits["gpu"][1:], logits["ref"][1:], strict=True))
+    e_cpu = max(rel(a, b) for a, b in zip(logits["cpu"][1:], logits["ref"][1:], strict=True))
+    print(f"{shape}: decode logits vs float32, worst step: GPU fused bf16 {e_gpu:.2e}, CPU unfused bf16 "
+          f"{e_cpu:.2e}; GPU greedy agrees with float32 on {agree}/{steps - 1} steps")  # fmt: skip
+    assert e_gpu < 2 * e_cpu + 1e-3, "the fused GPU path is further from float32 than the CPU's bf16 ops"
+
+
+def time_attention_at(S: int, layers: int = 32) -> None:
+    from ember.ops import triton_attention
+    from ember.ops.attention import causal_mask, sdpa_attention
+
+    H, K, D = 32, 8, 128
+    bf = torch.bfloat16
+    caches = [(torch.randn(1, K, S, D, device="cuda", dtype=bf), torch.randn(1, K, S, D, device="cuda", dtype=bf))
+              for _ in range(layers)]  # fmt: skip
+    qkv = torch.randn(1, (H + 2 * K) * D, device="cuda", dtype=bf)
+    q, k, v = (t.view(1, -1, D) for t in qkv.split([H * D, K * D, K * D], dim=-1))
+    cos, sin = torch.rand(1, D, device="cuda"), torch.rand(1, D, device="cuda")
+    for p in (S // 4, S - 1):
+        pos = torch.tensor([p], device="cuda")
+        mask = causal_mask(pos[:, None], torch.arange(S, device="cuda")[None], None)
+        row = [
+            timed_graph(
+                lambda i, m=mask: sdpa_attention(q[:, :, None], *caches[i % layers], m, scale=D**-0.5), layers
+            )
+        ]
+        for splits, block_s in [(1, 64), (2, 64), (4, 64), (8, 64), (16, 64), (2, 128), (4, 32)]:
+            call = lambda i, sp=splits, bs=block_s, ps=pos: triton_attention.decode_attention(  # noqa: E731
+                q, k, v, cos, sin, *caches[i % layers], ps, D**-0.5, 0, splits=sp, block_s=bs
+            )
+            row.append(timed_graph(call, layers))
+        print(f"{S:>6} {p:>6} " + " ".join(f"{t * 1e6:8.2f}" for t in row) +
+              f"   (default splits {triton_attention.default_splits(S)})")  # fmt: skip
+
+
+def time_attention() -> None:
+    print(
+        "decode attention (SDPA: attention only; Ember: rope + cache write + attention), Llama-3-8B layer, us"
+    )
+    heads = [f"s{sp}/b{bs}" for sp, bs in [(1, 64), (2, 64), (4, 64), (8, 64), (16, 64), (2, 128), (4, 32)]]
+    print(f"{'S':>6} {'pos':>6} {'SDPA':>8} " + " ".join(f"{h:>8}" for h in heads))
+    for S in (512, 2048, 8192):
+        time_attention_at(S)
+
+
+def time_glu_gemv(N: int, K: int) -> None:
+    from ember.quant import triton_kernels as tk
+
+    copies = max(2, (768 << 20) // (N * K * 2))
+    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+
+    def unfused(i):
+        gate, up = tk.fused_gemv(x, ws[i % copies]).chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    plain = timed_graph(lambda i: tk.fused_gemv(x, ws[i % copies]), copies * 4)
+    eager = timed_graph(unfused, copies * 4)
+    fused = timed_graph(lambda i: tk.fused_gemv(x, ws[i % copies], glu=True), copies * 4)
+    print(
+        f"gate_up {N}x{K}: GEMV {plain * 1e6:.2f} us, GEMV + silu*mul (eager) {eager * 1e6:.2f}, fused {fused * 1e6:.2f}"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="check the kernels and a model; no timings")
+    args = ap.parse_args()
+    if args.check:
+        check_kernels()
+        check_model()
+        return
+    time_attention()
+    time_glu_gemv(28672, 4096)
+
+
+if __name__ == "__main__":
+    main()

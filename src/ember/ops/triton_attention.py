@@ -1,0 +1,215 @@
+"""Triton decode attention: one query token per row over a static (B, K, S, D) KV cache (flash-decoding),
+with rope and the cache write of this step's key and value in the same kernel.
+
+A decode step's attention reads each kv head's cached keys and values once; the G = H/K query heads that
+share a kv head ride along as the rows of one small matmul (padded to 16 rows for the tensor cores), so k/v
+are never repeated. Each program owns one (row, kv head) and one chunk of the cache and reads only the
+slots up to the row's position (read on the device: no host sync, and a CUDA graph replays at any length). With more than one chunk the programs write partial (max, sum, output) triples and a second kernel
+merges them with the usual log-sum-exp rescaling.
+
+Tested against `ember.ops.decode_attention.decode_attention_reference`, also in Triton's interpreter on CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attention_chunk_kernel(
+    q_ptr,
+    kn_ptr,
+    vn_ptr,
+    cos_ptr,
+    sin_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    o_ptr,
+    part_ptr,
+    m_ptr,
+    l_ptr,
+    stride_q,
+    stride_kn,
+    stride_vn,
+    stride_cos,
+    S,
+    window,
+    scale,
+    KV: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    ROT: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    # This step's q (B, H, D), k and v (B, KV, D), row strides given, before rope; cos, sin (B, ROT) of the
+    # rows' positions; caches (B, KV, S, D); pos (B,). H = KV * G. Program (b * KV + h, split).
+    bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = bh // KV
+    h = bh % KV
+    pos = tl.load(pos_ptr + b).to(tl.int32)
+    start = split * CHUNK
+    lo = start
+    if window > 0:  # sliding-window layer: keys at pos - window or before are out of view
+        lo = tl.maximum(lo, pos - window + 1)
+    hi = tl.minimum(start + CHUNK, pos + 1)  # keys after the query's own position are never read
+    rg = tl.arange(0, BLOCK_G)
+    rd = tl.arange(0, BLOCK_D)
+    rs = tl.arange(0, BLOCK_S)
+    d_ok = rd < D
+
+    # Rows 0..G-1 of one tile are the query heads h*G .. h*G + G - 1 (which share kv head h); row G is the new
+    # key. Rope turns each row by the half-split rule: dim d < ROT/2 pairs with d + ROT/2 (negated), dims at
+    # ROT and past pass through. Rounded as apply_rope rounds in the activation dtype.
+    is_q = rg < G
+    row_ptr = tl.where(is_q, q_ptr + b * stride_q + (h * G + rg) * D, kn_ptr + b * stride_kn + h * D)
+    row_ok = (rg <= G)[:, None] & d_ok[None, :]
+    x = tl.load(row_ptr[:, None] + rd[None, :], mask=row_ok, other=0.0)  # (BLOCK_G, BLOCK_D)
+    half: tl.constexpr = ROT // 2
+    partner = tl.where(rd < half, rd + half, rd - half)
+    partner = tl.where(rd < ROT, partner, rd)
+    xp = tl.load(row_ptr[:, None] + partner[None, :], mask=row_ok, other=0.0)
+    rot = rd < ROT
+    c = tl.load(cos_ptr + b * stride_cos + rd, mask=rot, other=1.0).to(x.dtype).to(tl.float32)
+    sn = tl.load(sin_ptr + b * stride_cos + rd, mask=rot, other=0.0).to(x.dtype).to(tl.float32)
+    sn = tl.where(rd < half, -sn, sn)
+    dt = x.dtype
+    a = (x.to(tl.float32) * c[None, :]).to(dt).to(tl.float32)
+    r = (xp.to(tl.float32) * sn[None, :]).to(dt).to(tl.float32)
+    x = (a + r).to(dt)
+    q = tl.where(is_q[:, None], x, 0.0).to(dt)
+    k_new = tl.sum(tl.where((rg == G)[:, None], x.to(tl.float32), 0.0), axis=0).to(dt)  # (BLOCK_D,), exact
+    v_new = tl.load(vn_ptr + b * stride_vn + h * D + rd, mask=d_ok, other=0.0)
+    kv_base = bh.to(tl.int64) * S * D
+    # The program whose chunk holds the row's position stores the new key and value in the cache; inside the
+    # loop that slot takes them from registers, so no program reads a slot another one is writing.
+    owner = d_ok & (pos // CHUNK == split)
+    tl.store(k_ptr + kv_base + pos * D + rd, k_new, mask=owner)
+    tl.store(v_ptr + kv_base + pos * D + rd, v_new, mask=owner)
+
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    # Blocks past the row's position are skipped (a branch, not a loop bound: Triton's interpreter, which
+    # runs these kernels in tests, cannot loop to a loaded bound).
+    for s0 in range(0, CHUNK, BLOCK_S):
+        if start + s0 < hi:
+            s = start + s0 + rs
+            s_ok = (s >= lo) & (s < hi)
+            offs = kv_base + s[:, None] * D + rd[None, :]
+            sd_ok = (s_ok & (s != pos))[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + offs, mask=sd_ok, other=0.0)  # (BLOCK_S, BLOCK_D)
+            v = tl.load(v_ptr + offs, mask=sd_ok, other=0.0)
+            k = tl.where((s == pos)[:, None], k_new[None, :], k)
+            v = tl.where((s == pos)[:, None], v_new[None, :], v)
+            scores = tl.dot(q, tl.trans(k)) * scale  # (BLOCK_G, BLOCK_S) float32
+            scores = tl.where(s_ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            # Nothing seen yet (-inf): keep exp() off -inf - -inf.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_ref)
+            p = tl.exp(scores - m_ref[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+    q_rows = b * KV * G + h * G + rg
+    gd_ok = is_q[:, None] & d_ok[None, :]
+    if SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + q_rows[:, None] * D + rd[None, :], out.to(o_ptr.dtype.element_ty), mask=gd_ok)
+    else:  # partials (B*KV, SPLITS, BLOCK_G, BLOCK_D) and (B*KV, SPLITS, BLOCK_G); an empty chunk leaves -inf, 0
+        row = (bh * SPLITS + split) * BLOCK_G + rg
+        tl.store(part_ptr + row[:, None] * BLOCK_D + rd[None, :], acc)
+        tl.store(m_ptr + row, m_i)
+        tl.store(l_ptr + row, l_i)
+
+
+@triton.jit
+def _attention_merge_kernel(
+    part_ptr,
+    m_ptr,
+    l_ptr,
+    o_ptr,
+    KV: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    # One program per (row, kv head): out = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i.
+    bh = tl.program_id(0)
+    rsp = tl.arange(0, SPLITS)
+    rg = tl.arange(0, BLOCK_G)
+    rd = tl.arange(0, BLOCK_D)
+    row = (bh * SPLITS + rsp)[:, None] * BLOCK_G + rg[None, :]  # (SPLITS, BLOCK_G)
+    m = tl.load(m_ptr + row)
+    l_sum = tl.load(l_ptr + row)
+    m_max = tl.max(m, axis=0)  # (BLOCK_G,): finite, the chunk holding the query's own position has keys
+    w = tl.exp(m - m_max[None, :])  # an empty chunk (-inf) weighs 0
+    part = tl.load(part_ptr + row[:, :, None] * BLOCK_D + rd[None, None, :])  # (SPLITS, BLOCK_G, BLOCK_D)
+    out = tl.sum(part * w[:, :, None], axis=0) / tl.sum(l_sum * w, axis=0)[:, None]
+    rows = bh * G + rg  # (b * KV + h) * G + g = b * H + h * G + g
+    mask = (rg < G)[:, None] & (rd < D)[None, :]
+    tl.store(o_ptr + rows[:, None] * D + rd[None, :], out.to(o_ptr.dtype.element_ty), mask=mask)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int,
+    *,
+    splits: int | None = None,
+    block_s: int = 64,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Rope on this step's q (B, H, D) and k (B, K, D), k and v (B, K, D) stored at `positions` (B,) in the
+    caches (B, K, S, D, contiguous), attention over slots 0..position -> (B, H, D) in q's dtype.
+
+    cos, sin (B, R) for the positions, R <= D rotary dims. Each of q, k, v, cos needs unit stride within a
+    row (heads D apart); rows may be strided (views of a fused qkv projection). window <= 0: no sliding
+    window. `splits` (a power of two) defaults to `default_splits`.
+    """
+    B, H, D = q.shape
+    KV, S = k_cache.shape[1], k_cache.shape[2]
+    G = H // KV
+    splits = default_splits(S) if splits is None else splits
+    chunk = triton.cdiv(triton.cdiv(S, splits), block_s) * block_s
+    BLOCK_G = max(16, triton.next_power_of_2(G + 1))  # + 1: the new key rides in the query tile
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    out = q.new_empty(B, H, D)
+    if splits == 1:
+        part = m = l_sum = out  # unread stand-ins
+    else:
+        part = torch.empty(B * KV * splits * BLOCK_G * BLOCK_D, device=q.device, dtype=torch.float32)
+        m = torch.empty(B * KV * splits * BLOCK_G, device=q.device, dtype=torch.float32)
+        l_sum = torch.empty_like(m)
+    consts = dict(KV=KV, G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
+    _attention_chunk_kernel[(B * KV, splits)](
+        q, k, v, cos, sin, k_cache, v_cache, positions, out, part, m, l_sum,
+        q.stride(0), k.stride(0), v.stride(0), cos.stride(0), S, window, scale,
+        ROT=cos.shape[-1], BLOCK_S=block_s, CHUNK=chunk, SPLITS=splits,
+        num_warps=num_warps, **consts,
+    )  # fmt: skip
+    if splits > 1:
+        _attention_merge_kernel[(B * KV,)](part, m, l_sum, out, SPLITS=splits, num_warps=4, **consts)
+    return out
+
+
+def default_splits(S: int) -> int:
+    """Chunks of the cache per (row, kv head): about one per 256 slots, at most 16, a power of two."""
+    return min(16, triton.next_power_of_2(triton.cdiv(S, 256)))
