@@ -183,6 +183,29 @@ def time_glu_gemv(N: int, K: int) -> None:
     )
 
 
+def time_fused_gemv(name: str, N: int, K: int, **extra) -> None:
+    from ember.quant import triton_kernels as tk
+
+    copies = max(2, (768 << 20) // (N * K * 2))
+    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    if "norm_weight" in extra:
+        extra["norm_weight"] = torch.ones(K, device="cuda", dtype=torch.bfloat16)
+    if "residual" in extra:
+        extra["residual"] = torch.randn(
+            1, N // (2 if extra.get("glu") else 1), device="cuda", dtype=torch.bfloat16
+        )
+    plain = timed_graph(lambda i: tk.fused_gemv(x, ws[i % copies]), copies * 4)
+    fused = timed_graph(lambda i: tk.fused_gemv(x, ws[i % copies], **extra), copies * 4)
+    print(f"{name:>22}: plain GEMV {plain * 1e6:7.2f} us, fused {fused * 1e6:7.2f} us")
+
+
+def time_argmax(V: int = 128256) -> None:
+    logits = [torch.randn(1, V, device="cuda") for _ in range(8)]
+    t = timed_graph(lambda i: logits[i % 8].argmax(dim=-1), 32)
+    print(f"argmax over {V} float32 logits: {t * 1e6:.2f} us")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="check the kernels and a model; no timings")
@@ -193,6 +216,11 @@ def main() -> None:
         return
     time_attention()
     time_glu_gemv(28672, 4096)
+    time_fused_gemv("qkv + norm", 6144, 4096, norm_weight=True, eps=1e-5)
+    time_fused_gemv("o + residual", 4096, 4096, residual=True)
+    time_fused_gemv("gate_up + norm + glu", 28672, 4096, norm_weight=True, eps=1e-5, glu=True)
+    time_fused_gemv("down + residual", 4096, 14336, residual=True)
+    time_argmax()
 
 
 if __name__ == "__main__":
