@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import ModelConfig
-from ember.ops.linear import Linear, project
+from ember.ops.linear import Linear, silu_gate_up
 from ember.ops.norm import RMSNorm
 from ember.ops.rope import Rope
 
@@ -74,17 +74,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
 
-    def forward(
-        self, x: torch.Tensor, *, norm: RMSNorm | None = None, residual: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """[residual +] mlp([norm](x)); the norm, SwiGLU's activation and the add run inside the projections'
-        kernels where they can (`ember.ops.linear.project`)."""
-        if self.act is F.silu:
-            h = project(self.gate_up_proj, x, norm=norm, glu=True)
-        else:
-            gate, up = self.gate_up_proj(x if norm is None else norm(x)).chunk(2, dim=-1)
-            h = self.act(gate) * up
-        return project(self.down_proj, h, residual=residual)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act is F.silu:  # SwiGLU: one kernel for the projection and the activation where it can
+            return self.down_proj(silu_gate_up(self.gate_up_proj, x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -180,20 +174,10 @@ class Attention(nn.Module):
         self.scale = cfg.attention_scale if cfg.attention_scale is not None else self.D**-0.5
         self.softcap = cfg.attn_logit_softcap
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        cache: KVCache,
-        *,
-        norm: RMSNorm | None = None,
-        residual: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """[residual +] attention([norm](x)), the norm and the add fused as in MLP."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
         B, T, _ = x.shape
         H, K, D = self.H, self.K, self.D
-        q, k, v = project(self.qkv_proj, x, norm=norm).split([H * D, K * D, K * D], dim=-1)
+        q, k, v = self.qkv_proj(x).split([H * D, K * D, K * D], dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, H, D)  # (B, T, H, D)
@@ -204,7 +188,7 @@ class Attention(nn.Module):
         out = cache.attend(
             self.layer, q, k, v, rope=(cos, sin), window=self.window, scale=self.scale, softcap=self.softcap
         )
-        return project(self.o_proj, out.reshape(B, T, H * D), residual=residual)
+        return self.o_proj(out.reshape(B, T, H * D))
 
 
 class DecoderLayer(nn.Module):
@@ -236,11 +220,8 @@ class DecoderLayer(nn.Module):
         cos, sin = rope
         m = self.residual_multiplier
         if self.placement == "pre":
-            if m != 1.0 or isinstance(self.mlp, MoE):  # Granite scales the branches; MoE has no fused path
-                h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache) * m
-                return h + self.mlp(self.post_attention_layernorm(h)) * m
-            h = self.self_attn(x, cos, sin, cache, norm=self.input_layernorm, residual=x)
-            return self.mlp(h, norm=self.post_attention_layernorm, residual=h)
+            h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache) * m
+            return h + self.mlp(self.post_attention_layernorm(h)) * m
         if self.placement == "sandwich":
             h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache))
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))

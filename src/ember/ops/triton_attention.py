@@ -90,35 +90,36 @@ def _attention_chunk_kernel(
     kv_base = bh.to(tl.int64) * S * D
     # The program whose chunk holds the row's position stores the new key and value in the cache; inside the
     # loop that slot takes them from registers, so no program reads a slot another one is writing.
-    owner = d_ok & (pos // CHUNK == split)
+    owner = rd < tl.where(pos // CHUNK == split, D, 0)  # all head dims in that program, none elsewhere
     tl.store(k_ptr + kv_base + pos * D + rd, k_new, mask=owner)
     tl.store(v_ptr + kv_base + pos * D + rd, v_new, mask=owner)
 
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
-    # Blocks past the row's position are skipped (a branch, not a loop bound: Triton's interpreter, which
-    # runs these kernels in tests, cannot loop to a loaded bound).
+    # A static trip count: the loop walks the whole chunk and slots out of [lo, hi) are masked (a masked load
+    # moves no memory). Triton's interpreter, which runs this kernel in tests, cannot loop to a loaded bound;
+    # and skipping blocks past the position with a branch was measured slower on an H200 (it stops the
+    # loads from being pipelined; `benchmarks/gpu_decode_step.py`).
     for s0 in range(0, CHUNK, BLOCK_S):
-        if start + s0 < hi:
-            s = start + s0 + rs
-            s_ok = (s >= lo) & (s < hi)
-            offs = kv_base + s[:, None] * D + rd[None, :]
-            sd_ok = (s_ok & (s != pos))[:, None] & d_ok[None, :]
-            k = tl.load(k_ptr + offs, mask=sd_ok, other=0.0)  # (BLOCK_S, BLOCK_D)
-            v = tl.load(v_ptr + offs, mask=sd_ok, other=0.0)
-            k = tl.where((s == pos)[:, None], k_new[None, :], k)
-            v = tl.where((s == pos)[:, None], v_new[None, :], v)
-            scores = tl.dot(q, tl.trans(k)) * scale  # (BLOCK_G, BLOCK_S) float32
-            scores = tl.where(s_ok[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            # Nothing seen yet (-inf): keep exp() off -inf - -inf.
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_ref)
-            p = tl.exp(scores - m_ref[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        s = start + s0 + rs
+        s_ok = (s >= lo) & (s < hi)
+        offs = kv_base + s[:, None] * D + rd[None, :]
+        sd_ok = (s_ok & (s != pos))[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + offs, mask=sd_ok, other=0.0)  # (BLOCK_S, BLOCK_D)
+        v = tl.load(v_ptr + offs, mask=sd_ok, other=0.0)
+        k = tl.where((s == pos)[:, None], k_new[None, :], k)
+        v = tl.where((s == pos)[:, None], v_new[None, :], v)
+        scores = tl.dot(q, tl.trans(k)) * scale  # (BLOCK_G, BLOCK_S) float32
+        scores = tl.where(s_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        # Nothing seen yet (-inf): keep exp() off -inf - -inf.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_ref)
+        p = tl.exp(scores - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
     q_rows = b * KV * G + h * G + rg
     gd_ok = is_q[:, None] & d_ok[None, :]
     if SPLITS == 1:

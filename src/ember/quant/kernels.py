@@ -5,8 +5,8 @@ activations x (M, K) and the weights of `ember.quant.linear` (int4 scales folded
 return y (M, N) in x's dtype.
 
 - `ember::float_linear(x, weight)`: bf16/fp16 weights, one row on CUDA (used by `ember.ops.linear.Linear`).
-- `ember::fused_linear(...)`: float or int8 weights with the layer's RMSNorm before, SwiGLU's
-  silu(gate) * up and the residual add after, in one GEMV (decode on CUDA; `ember.ops.linear.project`).
+- `ember::silu_gate_up(x, weight, scales)`: a fused gate/up projection and SwiGLU's silu(gate) * up in one
+  GEMV (float or int8 weights; decode on CUDA, chosen by `ember.ops.linear.silu_gate_up`).
 - CUDA, M <= 8 (decode): Triton GEMV kernels that read each weight byte once and dequantize in registers.
   Decoding one stream is bound by reading weights, so int8 reads half the bytes of bf16 and int4 a quarter;
   torch's bf16 matmul with a separate dequantize would read the weights twice and write them once.
@@ -26,8 +26,6 @@ import logging
 
 import torch
 import torch.nn.functional as F
-
-from ember.ops.norm import rms_norm
 
 log = logging.getLogger(__name__)
 
@@ -114,67 +112,34 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def fused_linear_reference(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scales: torch.Tensor | None,
-    norm_weight: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    eps: float,
-    norm_offset: float,
-    glu: bool,
+def silu_gate_up_reference(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None
 ) -> torch.Tensor:
-    """The unfused ops: [residual +] [silu(gate) * up of] linear([rms_norm](x)).
-
-    x (M, K); weight (N, K) float, or int8 codes with scales (N,); norm_weight (K,); residual (M, N or N/2);
-    glu: the weight is a fused gate/up projection (gate rows over up rows) -> (M, N/2).
-    """
-    if norm_weight is not None:
-        x = rms_norm(x, norm_weight, eps, norm_offset)
+    """x (M, K), a fused gate/up weight (2I, K) (float, or int8 codes with scales (2I,)) -> silu(gate) * up (M, I)."""
     y = F.linear(x, weight) if scales is None else int8_linear_reference(x, weight, scales)
-    if glu:
-        gate, up = y.chunk(2, dim=-1)
-        y = F.silu(gate) * up
-    return y if residual is None else residual + y
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
-@torch.library.custom_op("ember::fused_linear", mutates_args=())
-def fused_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scales: torch.Tensor | None,
-    norm_weight: torch.Tensor | None,
-    residual: torch.Tensor | None,
-    eps: float,
-    norm_offset: float,
-    glu: bool,
-) -> torch.Tensor:
-    """`fused_linear_reference`; on CUDA, for one row, one Triton GEMV: the norm's sum of squares rides in
-    the weight loop, silu(gate) * up and the residual add in the store."""
-    return fused_linear_reference(x, weight, scales, norm_weight, residual, eps, norm_offset, glu)
+@torch.library.custom_op("ember::silu_gate_up", mutates_args=())
+def silu_gate_up(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+    """`silu_gate_up_reference`; on CUDA, for one row, one Triton GEMV that reads each gate row with its up
+    row and stores silu(gate) * up (no (M, 2I) intermediate, no separate activation kernel)."""
+    return silu_gate_up_reference(x, weight, scales)
 
 
-@fused_linear.register_fake
-def _(x, weight, scales, norm_weight, residual, eps, norm_offset, glu):
-    return x.new_empty(x.shape[0], weight.shape[0] // (2 if glu else 1))
+@silu_gate_up.register_fake
+def _(x, weight, scales):
+    return x.new_empty(x.shape[0], weight.shape[0] // 2)
 
 
-@fused_linear.register_kernel("cuda")
-def _(x, weight, scales, norm_weight, residual, eps, norm_offset, glu):
+@silu_gate_up.register_kernel("cuda")
+def _(x, weight, scales):
     if HAS_TRITON and x.shape[0] == 1 and weight.is_contiguous():
         from ember.quant import triton_kernels
 
-        return triton_kernels.fused_gemv(
-            x.contiguous(),
-            weight,
-            scales,
-            glu=glu,
-            norm_weight=norm_weight,
-            eps=eps,
-            norm_offset=norm_offset,
-            residual=None if residual is None else residual.contiguous(),
-        )
-    return fused_linear_reference(x, weight, scales, norm_weight, residual, eps, norm_offset, glu)
+        return triton_kernels.fused_gemv(x.contiguous(), weight, scales, glu=True)
+    return silu_gate_up_reference(x, weight, scales)
 
 
 @torch.library.custom_op("ember::int8_linear", mutates_args=())

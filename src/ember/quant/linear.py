@@ -59,7 +59,7 @@ class QuantLinear(nn.Module):
         return {}
 
     def gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(codes, per-row scales) for `ember::fused_linear`, or None when its kernel cannot run this module."""
+        """(codes, per-row scales) for `ember::silu_gate_up`, or None when its kernel cannot run this module."""
         return None
 
     def _add_bias(self, y: torch.Tensor) -> torch.Tensor:

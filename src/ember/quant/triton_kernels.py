@@ -59,10 +59,7 @@ def _gemv_kernel(
     w_ptr,
     s_ptr,
     y_ptr,
-    g_ptr,
-    r_ptr,
     N,
-    eps,
     K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -70,17 +67,10 @@ def _gemv_kernel(
     INT8: tl.constexpr,
     MAGIC: tl.constexpr,
     GLU: tl.constexpr = False,
-    NORM: tl.constexpr = False,
-    NORM_OFFSET: tl.constexpr = 0.0,
-    RESIDUAL: tl.constexpr = False,
 ):
     # Float weights (INT8=False, s_ptr unused), or int8 codes with one scale per row (INT8=True).
     # GLU: the weight is gate rows [0, N) over up rows [N, 2N) (a fused gate/up projection); each program
     # also reads the up rows of its gate rows and stores silu(gate) * up, so y has N columns.
-    # NORM: x is RMS-normalised first, with weight g (times offset + g for Gemma). W (g x) / rms(x) is
-    # linear in 1 / rms(x), so the loop sums x^2 beside the products and the scale comes at the end: no
-    # second pass over x, no wait before the weights stream.
-    # RESIDUAL: y = r + W x, rounded as the unfused add would be.
     m = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.where(rn < N, rn, 0).to(tl.int64)  # rows past N read row 0 and are not stored
@@ -89,29 +79,19 @@ def _gemv_kernel(
     x_ptrs = x_ptr + m * K + rk
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    ss = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    g_ptrs = g_ptr + rk
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
             w = tl.load(w_ptrs)
             x = tl.load(x_ptrs)
             if GLU:
                 wu = tl.load(w_ptrs + N * K)
-            if NORM:
-                g = tl.load(g_ptrs)
         else:
             k_ok = k0 + rk < K
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0)
             x = tl.load(x_ptrs, mask=k_ok, other=0.0)
             if GLU:
                 wu = tl.load(w_ptrs + N * K, mask=k_ok[None, :], other=0)
-            if NORM:
-                g = tl.load(g_ptrs, mask=k_ok, other=0.0)
-        xf = x.to(tl.float32)
-        if NORM:
-            ss += xf * xf
-            xf = xf * (NORM_OFFSET + g.to(tl.float32))
-        xf = xf[None, :]
+        xf = x.to(tl.float32)[None, :]
         if INT8 and MAGIC:
             # bits(2^23) + 128 + q read as a float is 2^23 + 128 + q, exactly (q in [-128, 127]).
             acc += ((w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0) * xf
@@ -123,26 +103,18 @@ def _gemv_kernel(
                 acc_up += wu.to(tl.float32) * xf
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-    dt = y_ptr.dtype.element_ty
     out = tl.sum(acc, axis=1)
     if INT8:
         out = out * tl.load(s_ptr + rows).to(tl.float32)
-    if NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / K + eps)
-        out = out * rstd
     if GLU:
         up = tl.sum(acc_up, axis=1)
         if INT8:
             up = up * tl.load(s_ptr + N + rows).to(tl.float32)
-        if NORM:
-            up = up * rstd
         # Rounded where the unfused ops round: the projection's output, silu's, and the product.
+        dt = y_ptr.dtype.element_ty
         gate = out.to(dt).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
         out = act * up.to(dt).to(tl.float32)
-    if RESIDUAL:
-        out = tl.load(r_ptr + m * N + rows).to(tl.float32) + out.to(dt).to(tl.float32)
     tl.store(y_ptr + m * N + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
@@ -301,39 +273,18 @@ def fused_gemv(
     scales: torch.Tensor | None = None,
     *,
     glu: bool = False,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    norm_offset: float = 0.0,
-    residual: torch.Tensor | None = None,
     blocks: dict | None = None,
 ) -> torch.Tensor:
-    """residual + rms_norm(x, norm_weight) @ weight.T, the norm and the residual optional.
+    """x (M, K) contiguous @ weight (N, K).T: float weights, or int8 codes with per-row `scales` (N,).
 
-    x (M, K) contiguous; weight (N, K) float, or int8 codes with per-row `scales` (N,); norm_weight (K,);
-    residual (M, N) contiguous. glu: the weight is a fused gate/up projection (gate rows over up rows) and
-    the result is silu(gate) * up, (M, N/2). In x's dtype.
+    glu: the weight is a fused gate/up projection (gate rows over up rows) and the result is
+    silu(gate) * up, (M, N/2). In x's dtype.
     """
     (M, K), N = x.shape, weight.shape[0] // (2 if glu else 1)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     int8 = scales is not None
-    args = (
-        x,
-        weight,
-        scales if int8 else weight,  # unread stand-ins keep one signature
-        y,
-        norm_weight if norm_weight is not None else x,
-        residual if residual is not None else y,
-        N,
-        eps,
-        K,
-    )
-    consts = {
-        "INT8": int8,
-        "GLU": glu,
-        "NORM": norm_weight is not None,
-        "NORM_OFFSET": float(norm_offset),
-        "RESIDUAL": residual is not None,
-    }
+    args = (x, weight, scales if int8 else weight, y, N, K)  # no scales: the weight pointer stands in, unread
+    consts = {"INT8": int8, "GLU": glu}
     if blocks is None or "MAGIC" not in blocks:
         consts["MAGIC"] = int8
     tuned = (
