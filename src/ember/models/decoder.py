@@ -232,7 +232,10 @@ class DecoderLayer(nn.Module):
 class DecoderBody(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Weights always come from a checkpoint (or an explicit init), so nn.Embedding's random init is skipped:
+        # on the meta device, where models are built, normal_ imports torch._dynamo (~2 s of a CLI start).
+        V, E = cfg.vocab_size, cfg.hidden_size
+        self.embed_tokens = nn.Embedding(V, E, _weight=torch.empty(V, E))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, cfg.norm_offset)
 
