@@ -135,6 +135,7 @@ class Generator:
             self.dtype = model.model.norm.weight.dtype
         self.cache: StaticKVCache | None = None
         self.compiled = compile
+        self.compiled_prefill = compile_prefill
         # CPU decode tries the AOTInductor step when the first cache is made (see _cache_for).
         self._try_aoti = compile and device.type == "cpu" and os.environ.get("EMBER_AOTI", "1") != "0"
         self._decode: StepFn = self._forward
@@ -220,7 +221,7 @@ class Generator:
         start = time.perf_counter()
         tokens = torch.tensor([prompt], device=self.device)  # (1, T)
         positions = torch.arange(len(prompt), device=self.device)[None]  # (1, T)
-        if self._prefill is not self._forward and len(prompt) > 1:  # size-1 dims are specialised
+        if self.compiled_prefill and len(prompt) > 1:  # size-1 dims are specialised
             torch._dynamo.mark_dynamic(tokens, 1)
             torch._dynamo.mark_dynamic(positions, 1)
         token, extra = pick(self._prefill(tokens, positions, cache))
