@@ -84,9 +84,11 @@ def _(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window):
 
 @decode_attention.register_kernel("cuda")
 def _(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window):
+    # The kernel takes one row stride per tensor (cos and sin share one) and unit strides within a row.
     rows_ok = (
-        all(t.stride(-1) == 1 for t in (q, k, v, cos))
+        all(t.stride(-1) == 1 for t in (q, k, v, cos, sin))
         and q.stride(1) == k.stride(1) == v.stride(1) == q.shape[-1]
+        and cos.stride(0) == sin.stride(0)
     )
     if HAS_TRITON and rows_ok and k_cache.is_contiguous() and v_cache.is_contiguous():
         from ember.ops import triton_attention

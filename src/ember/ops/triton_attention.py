@@ -181,9 +181,9 @@ def decode_attention(
     """Rope on this step's q (B, H, D) and k (B, K, D), k and v (B, K, D) stored at `positions` (B,) in the
     caches (B, K, S, D, contiguous), attention over slots 0..position -> (B, H, D) in q's dtype.
 
-    cos, sin (B, R) for the positions, R <= D rotary dims. Each of q, k, v, cos needs unit stride within a
-    row (heads D apart); rows may be strided (views of a fused qkv projection). window <= 0: no sliding
-    window. `splits` (a power of two) defaults to `default_splits`.
+    cos, sin (B, R) for the positions, R <= D rotary dims, with one row stride. Each of q, k, v, cos and
+    sin needs unit stride within a row (heads D apart); rows may be strided (views of a fused qkv
+    projection). window <= 0: no sliding window. `splits` (a power of two) defaults to `default_splits`.
     """
     B, H, D = q.shape
     KV, S = k_cache.shape[1], k_cache.shape[2]
