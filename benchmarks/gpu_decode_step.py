@@ -69,6 +69,43 @@ def check_kernels() -> None:
             worst = max(worst, err)
             assert err < 2e-2, (N, K, scales is not None, err)
     print(f"silu(gate) * up GEMV (bf16 / int8) vs float32 reference: worst relative error {worst:.2e}")
+    worst = 0.0
+    for N, K in [(6144, 4096), (4096, 14336), (1000, 576)]:
+        x = torch.randn(1, K, device=dev, dtype=bf)
+        q8, s8 = quantize_int8_per_channel(torch.randn(N, K, device=dev) * 0.02)
+        want = x.float() @ (q8.float() * s8.float()[:, None]).T
+        for magic in (0, 1, 2):
+            got = tk.int8_gemv(x, q8, s8.to(bf), blocks=dict(BLOCK_N=8, BLOCK_K=512, MAGIC=magic))
+            worst = max(worst, rel(got, want))
+        assert worst < 1e-2, (N, K, worst)
+    print(f"int8 GEMV, each code-to-float conversion, vs float32: worst relative error {worst:.2e}")
+    check_norm_and_argmax()
+
+
+def check_norm_and_argmax() -> None:
+    from ember.ops import triton_norm
+    from ember.ops.argmax import split_argmax
+    from ember.ops.norm import add_rms_norm_reference
+
+    dev = "cuda"
+    for dtype in (torch.bfloat16, torch.float16):
+        for E, offset in [(4096, 0.0), (2304, 1.0), (576, 0.0)]:
+            x, d = (torch.randn(1, E, device=dev) * 3).to(dtype), torch.randn(1, E, device=dev).to(dtype)
+            w = (torch.randn(E, device=dev) * 0.3 + 1).to(dtype)
+            h, out = triton_norm.add_rms_norm(x, d, w, 1e-5, offset)
+            want_h, want = add_rms_norm_reference(x, d, w, 1e-5, offset)
+            assert torch.equal(h, want_h), (dtype, E)
+            step = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+            bad = ((out.float() - want.float()).abs() > step * want.float().abs() + 1e-6).sum().item()
+            assert bad == 0, (dtype, E, offset, bad)
+    print("add + RMSNorm kernel: h bit-equal to torch's, the norm within one rounding step")
+    for V in (128256, 151936, 262144):
+        x = torch.randn(3, V, device=dev)
+        x[1, 7] = x[1, V - 2] = 1e3
+        x[2, V // 2] = float("nan")
+        assert split_argmax(x).tolist() == x.argmax(-1).tolist(), V
+        assert split_argmax(x.bfloat16()).tolist() == x.bfloat16().argmax(-1).tolist(), V
+    print("split argmax equals torch.argmax (ties, NaN, bf16)")
 
 
 @torch.inference_mode()
@@ -93,19 +130,52 @@ def check_model(shape: str = "llama-3.2-1b", prompt: int = 40, steps: int = 24) 
     for name, (model, cache, dev) in runs.items():
         pos = torch.arange(prompt)[None].to(dev)
         logits[name] = [model.compute_logits(model(tokens.to(dev), pos, cache)[:, -1]).float().cpu()]
-    agree = 0
+    agree, fed = 0, []
     for i in range(steps):
         nxt = logits["ref"][-1].argmax(-1)
+        fed.append(nxt)
         agree += int(logits["gpu"][-1].argmax(-1) == nxt) if i else 0
         for name, (model, cache, dev) in runs.items():
             pos = torch.tensor([[prompt + i]], device=dev)
             out = model(nxt.view(1, 1).to(dev), pos, cache)
             logits[name].append(model.compute_logits(out[:, -1]).float().cpu())
+    check_graph_replay(gpu, tokens, fed, logits["gpu"], prompt, steps)
     e_gpu = max(rel(a, b) for a, b in zip(logits["gpu"][1:], logits["ref"][1:], strict=True))
     e_cpu = max(rel(a, b) for a, b in zip(logits["cpu"][1:], logits["ref"][1:], strict=True))
     print(f"{shape}: decode logits vs float32, worst step: GPU fused bf16 {e_gpu:.2e}, CPU unfused bf16 "
           f"{e_cpu:.2e}; GPU greedy agrees with float32 on {agree}/{steps - 1} steps")  # fmt: skip
     assert e_gpu < 2 * e_cpu + 1e-3, "the fused GPU path is further from float32 than the CPU's bf16 ops"
+
+
+def check_graph_replay(model, tokens, fed: list, eager: list, prompt: int, steps: int) -> None:
+    """The decode step compiled into a CUDA graph (its kernels launched with programmatic dependent launch
+    where `ember.ops.launch` allows) against the same steps run eagerly, teacher-forced on the same tokens:
+    a kernel reading before the one it depends on finished would show here."""
+    from ember.engine.kv_cache import StaticKVCache
+    from ember.ops.launch import pdl
+
+    cache = StaticKVCache(model.config, batch_size=1, max_seq_len=prompt + steps, device="cuda",
+                          dtype=torch.bfloat16)  # fmt: skip
+    for t in cache.k + cache.v:
+        torch._dynamo.mark_static_address(t)
+    model(tokens.cuda(), torch.arange(prompt, device="cuda")[None], cache)
+
+    def forward(tok, pos, cache):
+        return model.compute_logits(model(tok, pos, cache)[:, -1])
+
+    step = torch.compile(forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
+    worst = 0.0
+    pos = torch.tensor([[prompt]], device="cuda")
+    for i in range(steps):
+        tok = fed[i].view(1, 1).cuda()
+        torch.compiler.cudagraph_mark_step_begin()
+        got = step(tok, pos, cache).float().cpu()
+        pos += 1
+        worst = max(worst, rel(got, eager[i + 1]))
+    print(f"compiled decode step (CUDA graph, PDL {pdl(torch.device('cuda'))}) vs eager: worst relative "
+          f"logit difference {worst:.2e} over {steps} steps")  # fmt: skip
+    assert worst < 2e-2, worst
+    torch._dynamo.reset()
 
 
 def time_attention_at(S: int, layers: int = 32) -> None:
@@ -166,15 +236,25 @@ def time_glu_gemv(N: int, K: int) -> None:
 
 
 def time_argmax(V: int = 128256) -> None:
+    from ember.ops.argmax import split_argmax
+
     logits = [torch.randn(1, V, device="cuda") for _ in range(8)]
     t = timed_graph(lambda i: logits[i % 8].argmax(dim=-1), 32)
-    print(f"argmax over {V} float32 logits: {t * 1e6:.2f} us")
+    split = {
+        b: timed_graph(lambda i, b=b: split_argmax(logits[i % 8], block=b), 32)
+        for b in (1024, 2048, 4096, 8192)
+    }
+    print(f"argmax over {V} float32 logits: torch {t * 1e6:.2f} us; split (block: us) "
+          + ", ".join(f"{b}: {s * 1e6:.2f}" for b, s in split.items()))  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="check the kernels and a model; no timings")
+    ap.add_argument("--argmax", action="store_true", help="time only the greedy argmax")
     args = ap.parse_args()
+    if args.argmax:
+        return time_argmax()
     if args.check:
         check_kernels()
         check_model()

@@ -29,6 +29,7 @@ from ember.engine.kv_cache import StaticKVCache
 from ember.engine.sampler import SamplingParams, SamplingTensors, apply_penalties, make_generator, sample
 from ember.errors import ContextLengthError
 from ember.models.decoder import Decoder
+from ember.ops.argmax import argmax
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ class Generator:
         def pick(logits: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
             """logits (1, V) -> token (1,) on the device, and (log-probs, top-k) when asked for; no sync."""
             processed = logits if plain else apply_penalties(logits, st, seen, counts)
-            token = processed.argmax(dim=-1) if params.greedy else sample(processed, st, [gen])
+            token = argmax(processed) if params.greedy else sample(processed, st, [gen])
             if params.logprobs is None:
                 return token, None
             logp = torch.log_softmax(logits[0], dim=-1)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ember.errors import InvalidParameterError
+from ember.ops.argmax import argmax
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ def sample(
     logits: torch.Tensor, st: SamplingTensors, generators: list[torch.Generator | None] | None = None
 ) -> torch.Tensor:
     """logits (B, V) float32, already penalised -> next tokens (B,) int64. Pure apart from the generators."""
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = argmax(logits)
     if st.all_greedy:
         return greedy_tokens
     probs = _filter(logits, st).softmax(dim=-1)
@@ -175,7 +176,7 @@ def sample(
     else:
         for row, gen in enumerate(generators):
             noise[row].exponential_(generator=gen)
-    sampled = (probs / noise).argmax(dim=-1)
+    sampled = argmax(probs / noise)
     return torch.where(st.temperature == 0, greedy_tokens, sampled)
 
 

@@ -218,15 +218,35 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache
     ) -> torch.Tensor:
         cos, sin = rope
-        m = self.residual_multiplier
         if self.placement == "pre":
-            h = x + self.self_attn(self.input_layernorm(x), cos, sin, cache) * m
-            return h + self.mlp(self.post_attention_layernorm(h)) * m
+            h, delta = self.forward_pre(x, None, rope, cache)
+            return h + delta
         if self.placement == "sandwich":
             h = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache))
             return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
         h = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, cache))
         return h + self.post_feedforward_layernorm(self.mlp(h))
+
+    def forward_pre(
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pre-norm layer on the residual stream x + delta (delta: the previous layer's MLP output, not yet
+        added; None at the first layer) -> (stream after attention, this layer's MLP output). Each add is done
+        by the norm after it (`RMSNorm.add_forward`: one kernel when decoding on CUDA)."""
+        cos, sin = rope
+        m = self.residual_multiplier
+        if delta is None:
+            h, n = x, self.input_layernorm(x)
+        else:
+            h, n = self.input_layernorm.add_forward(x, delta)
+        a = self.self_attn(n, cos, sin, cache)
+        h, n = self.post_attention_layernorm.add_forward(h, a * m if m != 1.0 else a)
+        f = self.mlp(n)
+        return h, f * m if m != 1.0 else f
 
 
 class DecoderBody(nn.Module):
@@ -281,6 +301,11 @@ class Decoder(nn.Module):
         cache.begin(positions)
         rope = self.rope(positions)
         local = self.local_rope(positions) if self.local_rope is not None else rope
+        if cfg.norm_placement == "pre":  # the residual adds ride in the next norm (`forward_pre`)
+            delta = None
+            for layer in self.model.layers:
+                h, delta = layer.forward_pre(h, delta, local if layer.uses_local_rope else rope, cache)
+            return self.model.norm.add_forward(h, delta)[1] if delta is not None else self.model.norm(h)
         for layer in self.model.layers:
             h = layer(h, local if layer.uses_local_rope else rope, cache)
         return self.model.norm(h)

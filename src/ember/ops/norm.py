@@ -1,9 +1,63 @@
-"""RMSNorm, as Hugging Face's models compute and round it."""
+"""RMSNorm, as Hugging Face's models compute and round it, and `ember::add_rms_norm`: the residual add and
+the next RMSNorm of a decode step as one kernel.
+
+A pre-norm layer's residual stream is h = x + branch(norm(x)); a CUDA decode step computes the add and the
+next norm between two GEMVs. torch.compile fuses them into one kernel of its own, which the GEMV after it
+cannot start early behind (`ember.ops.launch`); on CUDA, for one row, `add_rms_norm` is a Triton kernel that
+loads the norm weight before waiting on the kernel before and lets the GEMV after it start while it drains.
+Elsewhere it is the plain ops, `add_rms_norm_reference`, which the kernel is tested against.
+
+Shape legend: E features; x, delta (..., E).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from ember.quant.kernels import HAS_TRITON
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm: float32 statistics; the weight scales the result rounded to x's dtype, or with
+    an offset (Gemma: 1 + w) the float32 result before rounding."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (xf * (offset + weight.float())).to(x.dtype)
+    return weight * xf.to(x.dtype)
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, rms_norm(h)) with h = x + delta in x's dtype."""
+    h = x + delta
+    return h, rms_norm_reference(h, weight, eps, offset)
+
+
+@torch.library.custom_op("ember::add_rms_norm", mutates_args=())
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_reference`; one Triton kernel on CUDA."""
+    return add_rms_norm_reference(x, delta, weight, eps, offset)
+
+
+@add_rms_norm.register_fake
+def _(x, delta, weight, eps, offset):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@add_rms_norm.register_kernel("cuda")
+def _(x, delta, weight, eps, offset):
+    if HAS_TRITON and x.is_contiguous() and delta.is_contiguous() and weight.is_contiguous():
+        from ember.ops import triton_norm
+
+        return triton_norm.add_rms_norm(x, delta, weight, eps, offset)
+    return add_rms_norm_reference(x, delta, weight, eps, offset)
 
 
 class RMSNorm(nn.Module):
@@ -14,8 +68,16 @@ class RMSNorm(nn.Module):
         self.offset = offset  # Gemma: the stored weight w scales by (1 + w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (xf * (self.offset + self.weight.float())).to(x.dtype)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm_reference(x, self.weight, self.eps, self.offset)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, self(h)) for h = x + delta: one kernel for a decode row on CUDA (`add_rms_norm`)."""
+        if (
+            HAS_TRITON
+            and x.is_cuda
+            and x.dtype in _KERNEL_DTYPES
+            and delta.dtype == x.dtype == self.weight.dtype
+            and x.numel() == x.shape[-1]
+        ):
+            return add_rms_norm(x, delta, self.weight, self.eps, self.offset)
+        return add_rms_norm_reference(x, delta, self.weight, self.eps, self.offset)

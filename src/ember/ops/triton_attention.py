@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ember.ops.launch import launch_options
+
 
 @triton.jit
 def _attention_chunk_kernel(
@@ -47,7 +49,11 @@ def _attention_chunk_kernel(
     BLOCK_S: tl.constexpr,
     CHUNK: tl.constexpr,
     SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # `ember.ops.launch`: everything here reads what the kernels before wrote
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # This step's q (B, H, D), k and v (B, KV, D), row strides given, before rope; cos, sin (B, ROT) of the
     # rows' positions; caches (B, KV, S, D); pos (B,). H = KV * G. Program (b * KV + h, split).
     bh = tl.program_id(0)
@@ -144,7 +150,11 @@ def _attention_merge_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     # One program per (row, kv head): out = sum_i exp(m_i - M) acc_i / sum_i exp(m_i - M) l_i.
     bh = tl.program_id(0)
     rsp = tl.arange(0, SPLITS)
@@ -199,7 +209,7 @@ def decode_attention(
         part = torch.empty(B * KV * splits * BLOCK_G * BLOCK_D, device=q.device, dtype=torch.float32)
         m = torch.empty(B * KV * splits * BLOCK_G, device=q.device, dtype=torch.float32)
         l_sum = torch.empty_like(m)
-    consts = dict(KV=KV, G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D)
+    consts = dict(KV=KV, G=G, D=D, BLOCK_G=BLOCK_G, BLOCK_D=BLOCK_D, **launch_options(q.device))
     _attention_chunk_kernel[(B * KV, splits)](
         q, k, v, cos, sin, k_cache, v_cache, positions, out, part, m, l_sum,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), S, window, scale,

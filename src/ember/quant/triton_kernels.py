@@ -24,9 +24,19 @@ Shape legend: M rows of activations, K input features, N output features, g grou
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+
+from ember.ops.launch import launch_options
+
+
+def int8_magic() -> int:
+    """How the int8 GEMV turns codes into floats (`_int8_to_float`): byte permutes on a GPU, arithmetic in
+    Triton's interpreter (which runs no PTX)."""
+    return 1 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 2
 
 
 def _configs(entries: list[tuple[int, int, int, int]]) -> list[triton.Config]:
@@ -38,8 +48,12 @@ def _configs(entries: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 # (BLOCK_N, BLOCK_K, warps, stages): the tiles that were within a few percent of the best for some
 # Llama-3-8B shape in `benchmarks/gpu_gemv.py` on an H200 (BLOCK_K counts weights). Small BLOCK_N keeps
 # enough programs in flight to fill 132 multiprocessors when N = 4096.
-FLOAT_CONFIGS = _configs([(1, 2048, 8, 1), (1, 2048, 4, 3), (2, 1024, 4, 1), (4, 512, 4, 1), (4, 2048, 8, 1)])
-INT8_CONFIGS = _configs([(8, 512, 8, 1), (8, 1024, 4, 1), (16, 256, 4, 1), (16, 512, 8, 1), (2, 2048, 4, 3)])
+FLOAT_CONFIGS = _configs(
+    [(1, 2048, 8, 1), (1, 2048, 8, 3), (2, 2048, 8, 1), (1, 2048, 4, 3), (2, 1024, 4, 1), (4, 512, 4, 1)]
+)
+INT8_CONFIGS = _configs(
+    [(4, 2048, 4, 1), (4, 1024, 4, 3), (8, 1024, 8, 1), (8, 512, 8, 3), (4, 512, 4, 1), (16, 512, 8, 1)]
+)
 INT4_CONFIGS = _configs([(2, 1024, 4, 1), (4, 512, 4, 1), (8, 256, 4, 1), (16, 256, 4, 1), (16, 512, 4, 1)])
 
 
@@ -51,6 +65,86 @@ def _prune_int4(configs, named_args, **kwargs):
 
 
 _HEURISTICS = {"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0}
+
+
+@triton.jit
+def _gemv_weights(w_ptrs, k0, rk, K: tl.constexpr, UP: tl.constexpr, EVEN_K: tl.constexpr, GLU: tl.constexpr):
+    # One step's weight tile, and with GLU the up rows' tile UP elements further (else w again, unused).
+    if EVEN_K:
+        w = tl.load(w_ptrs)
+        wu = tl.load(w_ptrs + UP) if GLU else w
+    else:
+        k_ok = (k0 + rk < K)[None, :]
+        w = tl.load(w_ptrs, mask=k_ok, other=0)
+        wu = tl.load(w_ptrs + UP, mask=k_ok, other=0) if GLU else w
+    return w, wu
+
+
+@triton.jit
+def _gemv_step(
+    acc,
+    acc_up,
+    w,
+    wu,
+    x_ptrs,
+    k0,
+    rk,
+    K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INT8: tl.constexpr,
+    MAGIC: tl.constexpr,
+    GLU: tl.constexpr,
+):
+    # acc (+)= w * x over one step (and acc_up with the up rows' tile). x_ptrs has the tile's shape (every row
+    # the same activations): loaded so, x lands in the registers of the weights it multiplies; a vector of x
+    # broadcast over rows took a trip through shared memory and two barriers per step.
+    if EVEN_K:
+        x = tl.load(x_ptrs)
+    else:
+        x = tl.load(x_ptrs, mask=(k0 + rk < K)[None, :], other=0.0)
+    xf = x.to(tl.float32)
+    if INT8:
+        acc += _int8_to_float(w, MAGIC) * xf
+        if GLU:
+            acc_up += _int8_to_float(wu, MAGIC) * xf
+    else:
+        acc += w.to(tl.float32) * xf
+        if GLU:
+            acc_up += wu.to(tl.float32) * xf
+    return acc, acc_up
+
+
+@triton.jit
+def _int8_to_float(w, MAGIC: tl.constexpr):
+    # int8 codes -> exact float32 values, without the int-to-float conversion instruction.
+    if MAGIC == 2:
+        # Four codes per 32-bit register: flip each sign bit (q + 128 as an unsigned byte), then one byte
+        # permute per code builds the float 2^23 + 128 + q (exponent bytes from 0x4B000000), and one subtract
+        # gives q.
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t;
+            xor.b32 t, $4, 0x80808080;
+            prmt.b32 $0, t, 0x4B000000, 0x7650;
+            prmt.b32 $1, t, 0x4B000000, 0x7651;
+            prmt.b32 $2, t, 0x4B000000, 0x7652;
+            prmt.b32 $3, t, 0x4B000000, 0x7653;
+            sub.f32 $0, $0, 0f4B000080;
+            sub.f32 $1, $1, 0f4B000080;
+            sub.f32 $2, $2, 0f4B000080;
+            sub.f32 $3, $3, 0f4B000080;
+            }""",
+            "=r,=r,=r,=r,r",
+            [w],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=4,
+        )
+    elif MAGIC == 1:
+        # bits(2^23) + 128 + q read as a float is 2^23 + 128 + q, exactly (q in [-128, 127]).
+        return (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+    else:
+        return w.to(tl.float32)
 
 
 @triton.jit
@@ -67,42 +161,33 @@ def _gemv_kernel(
     INT8: tl.constexpr,
     MAGIC: tl.constexpr,
     GLU: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
-    # Float weights (INT8=False, s_ptr unused), or int8 codes with one scale per row (INT8=True).
+    # Float weights (INT8=False, s_ptr unused), or int8 codes with one scale per row (INT8=True; MAGIC picks
+    # how codes become floats, see _int8_to_float).
     # GLU: the weight is gate rows [0, N) over up rows [N, 2N) (a fused gate/up projection); each program
     # also reads the up rows of its gate rows and stores silu(gate) * up, so y has N columns.
+    # PDL (`ember.ops.launch`): the first weight tile is loaded before waiting for the kernel before.
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     m = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.where(rn < N, rn, 0).to(tl.int64)  # rows past N read row 0 and are not stored
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * K + rk[None, :]
-    x_ptrs = x_ptr + m * K + rk
+    x_ptrs = x_ptr + m * K + (rows * 0)[:, None] + rk[None, :]  # (BLOCK_N, BLOCK_K): see _gemv_step
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs)
-            x = tl.load(x_ptrs)
-            if GLU:
-                wu = tl.load(w_ptrs + N * K)
-        else:
-            k_ok = k0 + rk < K
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0)
-            x = tl.load(x_ptrs, mask=k_ok, other=0.0)
-            if GLU:
-                wu = tl.load(w_ptrs + N * K, mask=k_ok[None, :], other=0)
-        xf = x.to(tl.float32)[None, :]
-        if INT8 and MAGIC:
-            # bits(2^23) + 128 + q read as a float is 2^23 + 128 + q, exactly (q in [-128, 127]).
-            acc += ((w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0) * xf
-            if GLU:
-                acc_up += ((wu.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0) * xf
-        else:
-            acc += w.to(tl.float32) * xf
-            if GLU:
-                acc_up += wu.to(tl.float32) * xf
+    # The first step is peeled: its weights need nothing from the kernel before, its activations do.
+    w, wu = _gemv_weights(w_ptrs, 0, rk, K, N * K, EVEN_K, GLU)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    acc, acc_up = _gemv_step(acc, acc_up, w, wu, x_ptrs, 0, rk, K, EVEN_K, INT8, MAGIC, GLU)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+        w, wu = _gemv_weights(w_ptrs, k0, rk, K, N * K, EVEN_K, GLU)
+        acc, acc_up = _gemv_step(acc, acc_up, w, wu, x_ptrs, k0, rk, K, EVEN_K, INT8, MAGIC, GLU)
     out = tl.sum(acc, axis=1)
     if INT8:
         out = out * tl.load(s_ptr + rows).to(tl.float32)
@@ -187,10 +272,14 @@ def _int4_tiled_gemv_kernel(
     K: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # w: int32 (N, K/8) in the tiled layout of `kernels.int4_tile`: word i of tile t holds, in nibble j, the
     # weight k = 8g*t + g*j + i. So each nibble position is one whole group of contiguous k, and a shift and
-    # a mask per weight unpack a (BLOCK_N, g) block with no shuffling between threads.
+    # a mask per weight unpack a (BLOCK_N, g) block with no shuffling between threads. x is loaded in the
+    # tile's shape (see _gemv_step) so that it lands in the registers of the weights it meets. PDL (`ember.ops.launch`): the first tile's words are loaded before waiting.
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     m = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.where(rn < N, rn, 0).to(tl.int64)  # rows past N read row 0 and are not stored
@@ -198,12 +287,17 @@ def _int4_tiled_gemv_kernel(
     KW: tl.constexpr = K // 8
     G: tl.constexpr = K // GROUP
     w_ptrs = w_ptr + rows[:, None] * KW + ri[None, :]
-    x_ptrs = x_ptr + m * K + ri
+    x_ptrs = x_ptr + m * K + (rows * 0)[:, None] + ri[None, :]
     s_ptrs = s_ptr + rows * G
     z_ptrs = z_ptr + rows * G
     acc = tl.zeros((BLOCK_N, GROUP), dtype=tl.float32)
-    for _ in range(0, K // (8 * GROUP)):
-        words = tl.load(w_ptrs)  # (BLOCK_N, GROUP) int32
+    T: tl.constexpr = K // (8 * GROUP)  # tiles per row
+    words = tl.load(w_ptrs)  # (BLOCK_N, GROUP) int32, tile 0
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    for t in range(0, T):
+        # The next tile's words are in flight while this one is unpacked (none after the last).
+        nxt = tl.load(w_ptrs + GROUP, mask=(ri[None, :] * 0 + t + 1) < T, other=0)
         for j in tl.static_range(8):
             x = tl.load(x_ptrs + j * GROUP).to(tl.float32)
             # Nibble j into mantissa bits 19-22 of 1.0: the float 1 + q/16.
@@ -214,7 +308,8 @@ def _int4_tiled_gemv_kernel(
             f = (bits | 0x3F800000).to(tl.float32, bitcast=True)
             s = tl.load(s_ptrs + j).to(tl.float32)
             z = tl.load(z_ptrs + j).to(tl.float32)
-            acc += (f * s[:, None] + z[:, None]) * x[None, :]
+            acc += (f * s[:, None] + z[:, None]) * x
+        words = nxt
         w_ptrs += GROUP
         x_ptrs += 8 * GROUP
         s_ptrs += 8
@@ -284,9 +379,9 @@ def fused_gemv(
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     int8 = scales is not None
     args = (x, weight, scales if int8 else weight, y, N, K)  # no scales: the weight pointer stands in, unread
-    consts = {"INT8": int8, "GLU": glu}
+    consts = {"INT8": int8, "GLU": glu, **launch_options(x.device)}
     if blocks is None or "MAGIC" not in blocks:
-        consts["MAGIC"] = int8
+        consts["MAGIC"] = int8_magic() if int8 else 0
     tuned = (
         (_int8_glu_tuned if int8 else _float_glu_tuned) if glu else (_int8_tuned if int8 else _float_tuned)
     )
@@ -312,9 +407,9 @@ def int4_tiled_gemv(
     grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), M)  # noqa: E731
     args = (x, words, s16, z16, y, N, K)
     if blocks is None:
-        _int4_tiled_tuned[grid](*args, GROUP=group_size)
+        _int4_tiled_tuned[grid](*args, GROUP=group_size, **launch_options(x.device))
     else:
-        _int4_tiled_gemv_kernel[grid](*args, GROUP=group_size, **blocks)
+        _int4_tiled_gemv_kernel[grid](*args, GROUP=group_size, **{**launch_options(x.device), **blocks})
     return y
 
 

@@ -1,0 +1,58 @@
+"""RMSNorm and `ember::add_rms_norm`: the Triton kernel in Triton's interpreter against the plain ops, and the
+pre-norm decoder's fused residual adds against the layer-by-layer form."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from ember.ops.norm import RMSNorm, add_rms_norm_reference, rms_norm_reference
+
+
+def test_rms_norm_reference_is_hugging_faces_formula():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 64, generator=g).bfloat16(), torch.randn(64, generator=g).bfloat16()
+    xf = x.float()
+    normed = (xf / (xf.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()).bfloat16()
+    torch.testing.assert_close(rms_norm_reference(x, w, 1e-6, 0.0), w * normed, atol=0, rtol=1e-2)
+    gemma = (xf / (xf.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * (1 + w.float())).bfloat16()
+    torch.testing.assert_close(rms_norm_reference(x, w, 1e-6, 1.0), gemma, atol=0, rtol=1e-2)
+
+
+def test_add_forward_returns_the_sum_and_its_norm():
+    g = torch.Generator().manual_seed(1)
+    norm = RMSNorm(32, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(32, generator=g))
+    x, d = torch.randn(2, 1, 32, generator=g), torch.randn(2, 1, 32, generator=g)
+    h, out = norm.add_forward(x, d)
+    torch.testing.assert_close(h, x + d, atol=0, rtol=0)
+    torch.testing.assert_close(out, norm(x + d), atol=0, rtol=0)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton (runs in its interpreter)"
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("E,offset", [(96, 0.0), (128, 1.0)])  # 96: the row is padded to 128 lanes
+def test_triton_add_rms_norm_matches_the_plain_ops_in_interpreter(dtype, E, offset):
+    from ember.ops import triton_norm
+
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(3, E, generator=g) * 4).to(dtype)
+    d = torch.randn(3, E, generator=g).to(dtype)
+    w = (torch.randn(E, generator=g) * 0.5 + 1).to(dtype)
+    h, out = triton_norm.add_rms_norm(x, d, w, 1e-6, offset)
+    want_h, _ = add_rms_norm_reference(x, d, w, 1e-6, offset)
+    assert h.dtype == out.dtype == dtype
+    # fp16: h is the float32 sum rounded once, as torch rounds it. The interpreter truncates float32 to
+    # bfloat16 (a GPU rounds to nearest), so there bf16 may be one step off.
+    step = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-10
+    torch.testing.assert_close(h.float(), want_h.float(), atol=0, rtol=step if dtype == torch.bfloat16 else 0)
+    # The norm of the kernel's own h: the statistics may differ in the last float32 bits (summation order),
+    # so a value near a rounding boundary may round the other way; bf16 rounds twice (the normalised row,
+    # then its product with the weight), each time truncated by the interpreter.
+    want = rms_norm_reference(h, w, 1e-6, offset)
+    torch.testing.assert_close(out.float(), want.float(), atol=0, rtol=2 * step)
