@@ -203,7 +203,7 @@ def time_attention_at(S: int, layers: int = 32) -> None:
             )
             row.append(timed_graph(call, layers))
         print(f"{S:>6} {p:>6} " + " ".join(f"{t * 1e6:8.2f}" for t in row) +
-              f"   (default splits {triton_attention.default_splits(S)})")  # fmt: skip
+              f"   (default splits, block {triton_attention.default_tiles(S, 128)})")  # fmt: skip
 
 
 def time_attention() -> None:

@@ -48,6 +48,7 @@ def test_reference_matches_sdpa_with_the_cache_mask(window):
         (6, 2, 24, 24, 4, 0),  # G = 3 and D = 24 (both padded), four chunks merged
         (4, 4, 16, 8, 2, 0),  # no grouping (G = 1); partial rotary: dims 8..15 pass through
         (8, 2, 32, 32, 4, 50),  # sliding window: chunks wholly out of view stay empty
+        (8, 2, 32, 32, None, 0),  # the default tiles for a short cache (two chunks, 128-slot steps)
     ],
 )
 def test_triton_kernel_matches_reference_in_interpreter(H, K, D, rotary, splits, window):
@@ -68,8 +69,9 @@ def test_triton_kernel_matches_reference_in_interpreter(H, K, D, rotary, splits,
         k_cache[b, :, p:] = float("nan")
         v_cache[b, :, p:] = float("nan")
     got = decode_attention(
-        q, k, v, cos[:, 0], sin[:, 0], k_cache, v_cache, pos, 0.25, window, splits=splits, block_s=32
-    )
+        q, k, v, cos[:, 0], sin[:, 0], k_cache, v_cache, pos, 0.25, window,
+        splits=splits, block_s=None if splits is None else 32,
+    )  # fmt: skip
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     rows = torch.arange(B)
     # The rotated key and the value were stored at each row's position.

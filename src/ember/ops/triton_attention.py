@@ -185,7 +185,7 @@ def decode_attention(
     window: int,
     *,
     splits: int | None = None,
-    block_s: int = 64,
+    block_s: int | None = None,
     num_warps: int = 4,
 ) -> torch.Tensor:
     """Rope on this step's q (B, H, D) and k (B, K, D), k and v (B, K, D) stored at `positions` (B,) in the
@@ -193,12 +193,14 @@ def decode_attention(
 
     cos, sin (B, R) for the positions, R <= D rotary dims, with one row stride. Each of q, k, v, cos and
     sin needs unit stride within a row (heads D apart); rows may be strided (views of a fused qkv
-    projection). window <= 0: no sliding window. `splits` (a power of two) defaults to `default_splits`.
+    projection). window <= 0: no sliding window. `splits` (a power of two) and `block_s` default to `default_tiles`.
     """
     B, H, D = q.shape
     KV, S = k_cache.shape[1], k_cache.shape[2]
     G = H // KV
-    splits = default_splits(S) if splits is None else splits
+    tiles = default_tiles(S, D)
+    splits = tiles[0] if splits is None else splits
+    block_s = (tiles[1] if splits == tiles[0] else 64) if block_s is None else block_s
     chunk = triton.cdiv(triton.cdiv(S, splits), block_s) * block_s
     BLOCK_G = max(16, triton.next_power_of_2(G + 1))  # + 1: the new key rides in the query tile
     BLOCK_D = max(16, triton.next_power_of_2(D))
@@ -221,6 +223,11 @@ def decode_attention(
     return out
 
 
-def default_splits(S: int) -> int:
-    """Chunks of the cache per (row, kv head): about one per 256 slots, at most 16, a power of two."""
-    return min(16, triton.next_power_of_2(triton.cdiv(S, 256)))
+def default_tiles(S: int, D: int) -> tuple[int, int]:
+    """(chunks of the cache per (row, kv head), slots per loop step) for S slots of head dim D, the fastest
+    measured on an H200 (`benchmarks/gpu_decode_step.py`, BENCHMARKS.md): up to 512 slots two chunks, in
+    steps of 128 where a (128, D) tile fits in shared memory (D <= 128; the kernel's fixed costs dominate at
+    these lengths), past that about one chunk per 128 slots, at most 16, in steps of 64."""
+    if S <= 512:
+        return 2, (128 if D <= 128 else 64)
+    return min(16, triton.next_power_of_2(triton.cdiv(S, 128))), 64
