@@ -84,8 +84,8 @@ def check_kernels() -> None:
 
 def check_norm_and_argmax() -> None:
     from ember.ops import triton_norm
-    from ember.ops.argmax import split_argmax
     from ember.ops.norm import add_rms_norm_reference
+    from ember.ops.triton_argmax import split_argmax
 
     dev = "cuda"
     for dtype in (torch.bfloat16, torch.float16):
@@ -236,7 +236,7 @@ def time_glu_gemv(N: int, K: int) -> None:
 
 
 def time_argmax(V: int = 128256) -> None:
-    from ember.ops.argmax import split_argmax
+    from ember.ops.triton_argmax import split_argmax
 
     logits = [torch.randn(1, V, device="cuda") for _ in range(8)]
     t = timed_graph(lambda i: logits[i % 8].argmax(dim=-1), 32)

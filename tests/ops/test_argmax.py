@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_argmax_matches_torch(dtype):
-    from ember.ops.argmax import split_argmax
+    from ember.ops.triton_argmax import split_argmax
 
     g = torch.Generator().manual_seed(0)
     V = 1000  # blocks of 128: the last one is partial
