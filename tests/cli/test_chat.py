@@ -42,10 +42,12 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_chat(tiny_llama_dir):
     assert proc.stdin is not None and proc.stdout is not None
     proc.stdin.write("Tell me a long story\n")
     proc.stdin.flush()
-    # Wait until the answer is streaming, then press Ctrl-C.
+    # Wait until the answer is streaming (its first characters after the "> " prompt), then press Ctrl-C at
+    # once: the tiny model writes its 450 tokens in well under a second, so waiting for more of the answer
+    # let it finish before the signal came (seen once in CI).
     deadline = time.monotonic() + 60
     seen = ""
-    while time.monotonic() < deadline and len(seen) < 20:
+    while time.monotonic() < deadline and len(seen) < 3:
         ready, _, _ = select.select([proc.stdout], [], [], 1.0)
         if ready:
             seen += os.read(proc.stdout.fileno(), 64).decode(errors="replace")
