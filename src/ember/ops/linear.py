@@ -24,14 +24,14 @@ from ember.quant import kernels
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _one_row_on_cuda(x: torch.Tensor) -> bool:
-    """Whether x is one bf16/fp16 activation row on CUDA with Triton present: what the GEMV kernels serve."""
+def one_row_on_cuda(x: torch.Tensor) -> bool:
+    """Whether x is one bf16/fp16 activation row on CUDA with Triton present: what Ember's decode kernels serve."""
     return x.is_cuda and x.dtype in _GEMV_DTYPES and x.numel() == x.shape[-1] and kernels.HAS_TRITON
 
 
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _one_row_on_cuda(x):
+        if one_row_on_cuda(x):
             y = kernels.float_linear(x.reshape(1, -1), self.weight).reshape(*x.shape[:-1], -1)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.weight, self.bias)
@@ -47,7 +47,7 @@ def silu_gate_up(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     One row on CUDA through a module with float or int8 weights and no bias (`gemv_operands`) runs as one GEMV
     that applies the activation as it stores; anything else runs the projection, then the activation.
     """
-    operands = module.gemv_operands() if _one_row_on_cuda(x) and hasattr(module, "gemv_operands") else None
+    operands = module.gemv_operands() if one_row_on_cuda(x) and hasattr(module, "gemv_operands") else None
     if operands is None:
         gate, up = module(x).chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ember.ops.linear import one_row_on_cuda
 from ember.quant.kernels import HAS_TRITON
-
-_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
@@ -72,12 +71,6 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, self(h)) for h = x + delta: one kernel for a decode row on CUDA (`add_rms_norm`)."""
-        if (
-            HAS_TRITON
-            and x.is_cuda
-            and x.dtype in _KERNEL_DTYPES
-            and delta.dtype == x.dtype == self.weight.dtype
-            and x.numel() == x.shape[-1]
-        ):
+        if one_row_on_cuda(x) and delta.dtype == x.dtype == self.weight.dtype:
             return add_rms_norm(x, delta, self.weight, self.eps, self.offset)
         return add_rms_norm_reference(x, delta, self.weight, self.eps, self.offset)
