@@ -47,14 +47,14 @@ def check_kernels() -> None:
             for window in (0, 100):
                 wk, wv = kc.clone(), vc.clone()
                 want = decode_attention_reference(q, k, v, cos, sin, wk, wv, pos, D**-0.5, window)
-                for splits in (None, 1, 4):
+                for splits, early in ((None, True), (1, True), (4, True), (4, False), (16, True)):
                     gk, gv = kc.clone(), vc.clone()
                     got = triton_attention.decode_attention(
-                        q, k, v, cos, sin, gk, gv, pos, D**-0.5, window, splits=splits
+                        q, k, v, cos, sin, gk, gv, pos, D**-0.5, window, splits=splits, early=early
                     )
                     err = max(rel(got, want), rel(gk, wk), rel(gv, wv))
                     worst = max(worst, err)
-                    assert err < 2e-2, (H, K, D, R, S, window, splits, err)
+                    assert err < 2e-2, (H, K, D, R, S, window, splits, early, err)
     print(f"decode attention (rope + cache write) vs reference: worst relative error {worst:.2e}")
     worst = 0.0
     for N, K in [(28672, 4096), (16384, 2048), (3072, 576)]:
@@ -178,41 +178,83 @@ def check_graph_replay(model, tokens, fed: list, eager: list, prompt: int, steps
     torch._dynamo.reset()
 
 
+# Decode attention variants timed: (chunks, slots per step, warps, early reads).
+VARIANTS = [
+    (2, 128, 4, False),  # the fourth session's tiles, no reads before the wait
+    (2, 128, 8, False),
+    (2, 128, 8, True),  # the default up to 512 slots
+    (2, 64, 8, True),
+    (1, 128, 8, True),
+    (4, 64, 8, True),
+    (8, 64, 8, True),
+    (16, 64, 4, True),  # the default at 2048 slots and past
+    (16, 64, 8, True),
+    (16, 64, 4, False),
+]
+
+
 def time_attention_at(S: int, layers: int = 32) -> None:
+    """us per layer of each variant, in a CUDA graph where each attention follows its layer's qkv GEMV (as
+    in the step; the GEMV alone is timed and subtracted), and SDPA (attention only) alone."""
     from ember.ops import triton_attention
     from ember.ops.attention import causal_mask, sdpa_attention
+    from ember.quant import triton_kernels as tk
 
     H, K, D = 32, 8, 128
     bf = torch.bfloat16
     caches = [(torch.randn(1, K, S, D, device="cuda", dtype=bf), torch.randn(1, K, S, D, device="cuda", dtype=bf))
               for _ in range(layers)]  # fmt: skip
+    hidden = torch.randn(1, 4096, device="cuda", dtype=bf)
+    w_qkv = [torch.randn((H + 2 * K) * D, 4096, device="cuda", dtype=bf) * 0.02 for _ in range(layers)]
     qkv = torch.randn(1, (H + 2 * K) * D, device="cuda", dtype=bf)
-    q, k, v = (t.view(1, -1, D) for t in qkv.split([H * D, K * D, K * D], dim=-1))
     cos, sin = torch.rand(1, D, device="cuda"), torch.rand(1, D, device="cuda")
+
+    def split(t):
+        return (u.view(1, -1, D) for u in t.split([H * D, K * D, K * D], dim=-1))
+
+    gemv = timed_graph(lambda i: tk.float_gemv(hidden, w_qkv[i % layers]), layers)
     for p in (S // 4, S - 1):
         pos = torch.tensor([p], device="cuda")
         mask = causal_mask(pos[:, None], torch.arange(S, device="cuda")[None], None)
+        q = next(split(qkv))
         row = [
             timed_graph(
-                lambda i, m=mask: sdpa_attention(q[:, :, None], *caches[i % layers], m, scale=D**-0.5), layers
+                lambda i, m=mask, q=q: sdpa_attention(q[:, :, None], *caches[i % layers], m, scale=D**-0.5),
+                layers,
             )
         ]
-        for splits, block_s in [(1, 64), (2, 64), (4, 64), (8, 64), (16, 64), (2, 128), (4, 32)]:
-            call = lambda i, sp=splits, bs=block_s, ps=pos: triton_attention.decode_attention(  # noqa: E731
-                q, k, v, cos, sin, *caches[i % layers], ps, D**-0.5, 0, splits=sp, block_s=bs
-            )
-            row.append(timed_graph(call, layers))
+        for sp, bs, w, early in VARIANTS:
+
+            def call(i, sp=sp, bs=bs, w=w, early=early, ps=pos):
+                qn, kn, vn = split(tk.float_gemv(hidden, w_qkv[i % layers]))
+                return triton_attention.decode_attention(
+                    qn,
+                    kn,
+                    vn,
+                    cos,
+                    sin,
+                    *caches[i % layers],
+                    ps,
+                    D**-0.5,
+                    0,
+                    splits=sp,
+                    block_s=bs,
+                    num_warps=w,
+                    early=early,
+                )
+
+            row.append(timed_graph(call, layers) - gemv)
         print(f"{S:>6} {p:>6} " + " ".join(f"{t * 1e6:8.2f}" for t in row) +
-              f"   (default splits, block {triton_attention.default_tiles(S, 128)})")  # fmt: skip
+              f"   (default {triton_attention.default_tiles(S, 128)}; qkv GEMV alone {gemv * 1e6:.2f})", flush=True)  # fmt: skip
 
 
 def time_attention() -> None:
-    print(
-        "decode attention (SDPA: attention only; Ember: rope + cache write + attention), Llama-3-8B layer, us"
-    )
-    heads = [f"s{sp}/b{bs}" for sp, bs in [(1, 64), (2, 64), (4, 64), (8, 64), (16, 64), (2, 128), (4, 32)]]
+    print("decode attention after its qkv GEMV, Llama-3-8B layer, us per layer (SDPA: attention only, alone;"
+          " Ember: rope + cache write + attention, GEMV time subtracted); s chunks, b slots/step, w warps,"
+          " e early reads")  # fmt: skip
+    heads = [f"s{sp}b{bs}w{w}{'e' if e else ''}" for sp, bs, w, e in VARIANTS]
     print(f"{'S':>6} {'pos':>6} {'SDPA':>8} " + " ".join(f"{h:>8}" for h in heads))
-    for S in (512, 2048, 8192):
+    for S in (384, 512, 2048, 8192):
         time_attention_at(S)
 
 

@@ -10,7 +10,10 @@ that kernel has completed and its writes are visible, before reading anything it
 
 Rules every kernel here follows when its `PDL` flag is set:
 - it calls `gdc_wait()` before its first read of an activation, a cache or a position, and before its first
-  store (the memory it writes may have been read by the kernel before it, until that one completes);
+  store (the memory it writes may have been read by the kernel before it, until that one completes). The
+  one exception is reasoned out where it is made (`ember.ops.triton_attention`): memory that only kernels
+  before the step's last non-PDL kernel can have written is complete by then, since a PDL launch after a
+  kernel that does not signal waits for it to exit;
 - it calls `gdc_wait()` on every path, so that a kernel waiting on it waits, through it, on everything
   before it;
 - it calls `gdc_launch_dependents()` first thing: the next kernel's programs fill multiprocessors as this

@@ -7,6 +7,15 @@ are never repeated. Each program owns one (row, kv head) and one chunk of the ca
 slots up to the row's position (read on the device: no host sync, and a CUDA graph replays at any length). With more than one chunk the programs write partial (max, sum, output) triples and a second kernel
 merges them with the usual log-sum-exp rescaling.
 
+Launched with programmatic dependent launch (`ember.ops.launch`), a program reads the row's position, cos,
+sin and its chunk's first block of cached keys and values before waiting on the kernel before it (the qkv
+projection): its main memory traffic then overlaps that kernel's tail (3-4 us of a ~13 us layer on an H200,
+`benchmarks/gpu_decode_step.py`). This is safe because no kernel of the current step writes any of them: the
+positions, cos and sin are written before the step's first layer by kernels that are not PDL launches
+(torch's and inductor's, which a PDL chain cannot overtake: a kernel after one starts only once it has
+finished), and a cache slot other than this step's position was written by this op in an earlier step (or
+by the prefill), with such kernels in between. This step's slot is never read from memory.
+
 Tested against `ember.ops.decode_attention.decode_attention_reference`, also in Triton's interpreter on CPU.
 """
 
@@ -17,6 +26,32 @@ import triton
 import triton.language as tl
 
 from ember.ops.launch import launch_options
+
+
+@triton.jit
+def _kv_block(k_ptr, v_ptr, kv_base, s, pos, lo, hi, rd, d_ok, D: tl.constexpr):
+    # One step's (BLOCK_S, BLOCK_D) keys and values: slots in [lo, hi) other than the row's own position (that
+    # one comes from registers); masked slots move no memory and read as 0.
+    sd_ok = ((s >= lo) & (s < hi) & (s != pos))[:, None] & d_ok[None, :]
+    offs = kv_base + s[:, None] * D + rd[None, :]
+    return tl.load(k_ptr + offs, mask=sd_ok, other=0.0), tl.load(v_ptr + offs, mask=sd_ok, other=0.0)
+
+
+@triton.jit
+def _attend(q, k, v, k_new, v_new, s, pos, lo, hi, m_i, l_i, acc, scale):
+    # Online softmax over one step's slots s; the slot at the row's position takes this step's key and value.
+    k = tl.where((s == pos)[:, None], k_new[None, :], k)
+    v = tl.where((s == pos)[:, None], v_new[None, :], v)
+    scores = tl.dot(q, tl.trans(k)) * scale  # (BLOCK_G, BLOCK_S) float32
+    scores = tl.where(((s >= lo) & (s < hi))[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+    # Nothing seen yet (-inf): keep exp() off -inf - -inf.
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_ref)
+    p = tl.exp(scores - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -49,13 +84,17 @@ def _attention_chunk_kernel(
     BLOCK_S: tl.constexpr,
     CHUNK: tl.constexpr,
     SPLITS: tl.constexpr,
+    EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # `ember.ops.launch`: everything here reads what the kernels before wrote
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     # This step's q (B, H, D), k and v (B, KV, D), row strides given, before rope; cos, sin (B, ROT) of the
     # rows' positions; caches (B, KV, S, D); pos (B,). H = KV * G. Program (b * KV + h, split).
+    # EARLY (with PDL): the position, cos, sin and the chunk's first cached keys and values are read before
+    # waiting on the kernel before (see the module's notes: no kernel of this step writes them).
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        if not EARLY:
+            tl.extra.cuda.gdc_wait()
     bh = tl.program_id(0)
     split = tl.program_id(1)
     b = bh // KV
@@ -70,6 +109,14 @@ def _attention_chunk_kernel(
     rd = tl.arange(0, BLOCK_D)
     rs = tl.arange(0, BLOCK_S)
     d_ok = rd < D
+    rot = rd < ROT
+    half: tl.constexpr = ROT // 2
+    c = tl.load(cos_ptr + b * stride_cos + rd, mask=rot, other=1.0)
+    sn = tl.load(sin_ptr + b * stride_cos + rd, mask=rot, other=0.0)
+    kv_base = bh.to(tl.int64) * S * D
+    k0, v0 = _kv_block(k_ptr, v_ptr, kv_base, start + rs, pos, lo, hi, rd, d_ok, D)
+    if PDL and EARLY:
+        tl.extra.cuda.gdc_wait()
 
     # Rows 0..G-1 of one tile are the query heads h*G .. h*G + G - 1 (which share kv head h); row G is the new
     # key. Rope turns each row by the half-split rule: dim d < ROT/2 pairs with d + ROT/2 (negated), dims at
@@ -78,22 +125,19 @@ def _attention_chunk_kernel(
     row_ptr = tl.where(is_q, q_ptr + b * stride_q + (h * G + rg) * D, kn_ptr + b * stride_kn + h * D)
     row_ok = (rg <= G)[:, None] & d_ok[None, :]
     x = tl.load(row_ptr[:, None] + rd[None, :], mask=row_ok, other=0.0)  # (BLOCK_G, BLOCK_D)
-    half: tl.constexpr = ROT // 2
     partner = tl.where(rd < half, rd + half, rd - half)
-    partner = tl.where(rd < ROT, partner, rd)
+    partner = tl.where(rot, partner, rd)
     xp = tl.load(row_ptr[:, None] + partner[None, :], mask=row_ok, other=0.0)
-    rot = rd < ROT
-    c = tl.load(cos_ptr + b * stride_cos + rd, mask=rot, other=1.0).to(x.dtype).to(tl.float32)
-    sn = tl.load(sin_ptr + b * stride_cos + rd, mask=rot, other=0.0).to(x.dtype).to(tl.float32)
-    sn = tl.where(rd < half, -sn, sn)
     dt = x.dtype
+    c = c.to(dt).to(tl.float32)
+    sn = sn.to(dt).to(tl.float32)
+    sn = tl.where(rd < half, -sn, sn)
     a = (x.to(tl.float32) * c[None, :]).to(dt).to(tl.float32)
     r = (xp.to(tl.float32) * sn[None, :]).to(dt).to(tl.float32)
     x = (a + r).to(dt)
     q = tl.where(is_q[:, None], x, 0.0).to(dt)
     k_new = tl.sum(tl.where((rg == G)[:, None], x.to(tl.float32), 0.0), axis=0).to(dt)  # (BLOCK_D,), exact
     v_new = tl.load(vn_ptr + b * stride_vn + h * D + rd, mask=d_ok, other=0.0)
-    kv_base = bh.to(tl.int64) * S * D
     # The program whose chunk holds the row's position stores the new key and value in the cache; inside the
     # loop that slot takes them from registers, so no program reads a slot another one is writing.
     owner = rd < tl.where(pos // CHUNK == split, D, 0)  # all head dims in that program, none elsewhere
@@ -103,33 +147,19 @@ def _attention_chunk_kernel(
     m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    m_i, l_i, acc = _attend(q, k0, v0, k_new, v_new, start + rs, pos, lo, hi, m_i, l_i, acc, scale)
     # A static trip count: the loop walks the whole chunk and slots out of [lo, hi) are masked (a masked load
     # moves no memory). Triton's interpreter, which runs this kernel in tests, cannot loop to a loaded bound;
     # and skipping blocks past the position with a branch was measured slower on an H200 (it stops the
     # loads from being pipelined; `benchmarks/gpu_decode_step.py`).
-    for s0 in range(0, CHUNK, BLOCK_S):
+    for s0 in range(BLOCK_S, CHUNK, BLOCK_S):
         s = start + s0 + rs
-        s_ok = (s >= lo) & (s < hi)
-        offs = kv_base + s[:, None] * D + rd[None, :]
-        sd_ok = (s_ok & (s != pos))[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + offs, mask=sd_ok, other=0.0)  # (BLOCK_S, BLOCK_D)
-        v = tl.load(v_ptr + offs, mask=sd_ok, other=0.0)
-        k = tl.where((s == pos)[:, None], k_new[None, :], k)
-        v = tl.where((s == pos)[:, None], v_new[None, :], v)
-        scores = tl.dot(q, tl.trans(k)) * scale  # (BLOCK_G, BLOCK_S) float32
-        scores = tl.where(s_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        # Nothing seen yet (-inf): keep exp() off -inf - -inf.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_ref)
-        p = tl.exp(scores - m_ref[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    q_rows = b * KV * G + h * G + rg
-    gd_ok = is_q[:, None] & d_ok[None, :]
+        k, v = _kv_block(k_ptr, v_ptr, kv_base, s, pos, lo, hi, rd, d_ok, D)
+        m_i, l_i, acc = _attend(q, k, v, k_new, v_new, s, pos, lo, hi, m_i, l_i, acc, scale)
     if SPLITS == 1:
+        q_rows = b * KV * G + h * G + rg
         out = acc / l_i[:, None]
+        gd_ok = is_q[:, None] & d_ok[None, :]
         tl.store(o_ptr + q_rows[:, None] * D + rd[None, :], out.to(o_ptr.dtype.element_ty), mask=gd_ok)
     else:  # partials (B*KV, SPLITS, BLOCK_G, BLOCK_D) and (B*KV, SPLITS, BLOCK_G); an empty chunk leaves -inf, 0
         row = (bh * SPLITS + split) * BLOCK_G + rg
@@ -186,14 +216,17 @@ def decode_attention(
     *,
     splits: int | None = None,
     block_s: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
+    early: bool = True,
 ) -> torch.Tensor:
     """Rope on this step's q (B, H, D) and k (B, K, D), k and v (B, K, D) stored at `positions` (B,) in the
     caches (B, K, S, D, contiguous), attention over slots 0..position -> (B, H, D) in q's dtype.
 
     cos, sin (B, R) for the positions, R <= D rotary dims, with one row stride. Each of q, k, v, cos and
     sin needs unit stride within a row (heads D apart); rows may be strided (views of a fused qkv
-    projection). window <= 0: no sliding window. `splits` (a power of two) and `block_s` default to `default_tiles`.
+    projection). window <= 0: no sliding window. `splits` (a power of two), `block_s` and `num_warps` default to
+    `default_tiles`; `early=False` makes the kernel read nothing before waiting on the kernel before it (see
+    `_attention_chunk_kernel`), for benchmarks.
     """
     B, H, D = q.shape
     KV, S = k_cache.shape[1], k_cache.shape[2]
@@ -201,6 +234,7 @@ def decode_attention(
     tiles = default_tiles(S, D)
     splits = tiles[0] if splits is None else splits
     block_s = (tiles[1] if splits == tiles[0] else 64) if block_s is None else block_s
+    num_warps = (tiles[2] if splits == tiles[0] else 4) if num_warps is None else num_warps
     chunk = triton.cdiv(triton.cdiv(S, splits), block_s) * block_s
     BLOCK_G = max(16, triton.next_power_of_2(G + 1))  # + 1: the new key rides in the query tile
     BLOCK_D = max(16, triton.next_power_of_2(D))
@@ -215,7 +249,7 @@ def decode_attention(
     _attention_chunk_kernel[(B * KV, splits)](
         q, k, v, cos, sin, k_cache, v_cache, positions, out, part, m, l_sum,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), S, window, scale,
-        ROT=cos.shape[-1], BLOCK_S=block_s, CHUNK=chunk, SPLITS=splits,
+        ROT=cos.shape[-1], BLOCK_S=block_s, CHUNK=chunk, SPLITS=splits, EARLY=early,
         num_warps=num_warps, **consts,
     )  # fmt: skip
     if splits > 1:
@@ -223,11 +257,11 @@ def decode_attention(
     return out
 
 
-def default_tiles(S: int, D: int) -> tuple[int, int]:
-    """(chunks of the cache per (row, kv head), slots per loop step) for S slots of head dim D, the fastest
-    measured on an H200 (`benchmarks/gpu_decode_step.py`, BENCHMARKS.md): up to 512 slots two chunks, in
-    steps of 128 where a (128, D) tile fits in shared memory (D <= 128; the kernel's fixed costs dominate at
-    these lengths), past that about one chunk per 128 slots, at most 16, in steps of 64."""
+def default_tiles(S: int, D: int) -> tuple[int, int, int]:
+    """(chunks of the cache per (row, kv head), slots per loop step, warps) for S slots of head dim D, the
+    fastest measured on an H200 (`benchmarks/gpu_decode_step.py`, BENCHMARKS.md): up to 512 slots two chunks
+    of 8 warps, in steps of 128 where a (128, D) tile fits in shared memory (D <= 128; the kernel's fixed
+    costs dominate at these lengths), past that about one chunk per 128 slots, at most 16, in steps of 64."""
     if S <= 512:
-        return 2, (128 if D <= 128 else 64)
-    return min(16, triton.next_power_of_2(triton.cdiv(S, 128))), 64
+        return 2, (128 if D <= 128 else 64), 8
+    return min(16, triton.next_power_of_2(triton.cdiv(S, 128))), 64, 4
