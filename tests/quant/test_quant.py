@@ -13,7 +13,9 @@ from ember.errors import EmberError
 from ember.quant import QuantSpec, load_quantized, perplexity, quantize_model, save_quantized
 from ember.quant.kernels import (
     int4_fold_scales,
+    int4_subnormal_scales,
     int4_tile,
+    int4_tiled_dequantize,
     int4_tiles,
     int4_untile,
     int8_linear_reference,
@@ -88,9 +90,17 @@ def test_triton_gemv_kernels_match_float_math_in_interpreter(K, block_k):
         want = x @ dequantized_int4(codes, sc, mn, group).T
         assert rel_err(y4, want) < 1e-5
         if int4_tiles(K, group):
-            words = int4_tile(pack_nibbles(codes), group)
-            y4 = tk.int4_tiled_gemv(x, words, s16, z16, group, blocks=dict(BLOCK_N=16))
-            assert rel_err(y4, want) < 1e-5
+            words, sz = int4_tile(pack_nibbles(codes), group), int4_subnormal_scales(sc, mn)
+            bf = sc.to(torch.bfloat16).float(), mn.to(torch.bfloat16).float()  # the factors are bf16
+            want = x @ dequantized_int4(codes, *bf, group).T
+            for xs in (1.0, 3e4, 1e-6):  # codes read as subnormals, x and weights scaled by up to 2^49
+                y4 = tk.int4_tiled_gemv(x * xs, words, sz, group, blocks=dict(BLOCK_N=16))
+                assert rel_err(y4, want * xs) < 1e-5
+            assert torch.equal(
+                tk.int4_tiled_gemv(x * 0, words, sz, group, blocks=dict(BLOCK_N=16)), x.new_zeros(2, 40)
+            )
+            w_tk = tk.int4_tiled_dequantize(words, sz, group, torch.float32)  # the prefill path's weights
+            assert torch.equal(w_tk, dequantized_int4(codes, *bf, group))
 
 
 def test_int4_tiled_layout_round_trips_and_feeds_the_op():
@@ -101,8 +111,11 @@ def test_int4_tiled_layout_round_trips_and_feeds_the_op():
     assert torch.equal(int4_untile(words, 32), codes)
     # Nibble j of word i in tile t is weight 256t + 32j + i.
     assert int((words[5, 33] >> 8) & 0xF) == int(codes[5, 256 + 64 + 1])
-    y = torch.ops.ember.int4_linear(x, words, *int4_fold_scales(sc, mn, torch.float32), 32)
-    assert rel_err(y, x @ dequantized_int4(codes, sc, mn, 32).T) < 1e-5
+    sz = int4_subnormal_scales(sc, mn)
+    bf = sc.to(torch.bfloat16).float(), mn.to(torch.bfloat16).float()
+    assert torch.equal(int4_tiled_dequantize(words, sz, 32), dequantized_int4(codes, *bf, 32))
+    y = torch.ops.ember.int4_tiled_linear(x, words, sz, 32)
+    assert rel_err(y, x @ dequantized_int4(codes, *bf, 32).T) < 1e-5
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4-g32", "int8-dyn"])

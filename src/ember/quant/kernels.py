@@ -1,8 +1,9 @@
 """Matmul kernels for quantized weights, as torch.library custom ops with a plain-torch twin.
 
-`ember::int8_linear(x, qweight, scales)` and `ember::int4_linear(x, qweight, s16, z16, group_size)` take
-activations x (M, K) and the weights of `ember.quant.linear` (int4 scales folded by `int4_fold_scales`), and
-return y (M, N) in x's dtype.
+`ember::int8_linear(x, qweight, scales)`, `ember::int4_linear(x, qweight, s16, z16, group_size)` and
+`ember::int4_tiled_linear(x, words, sz, group_size)` take activations x (M, K) and the weights of
+`ember.quant.linear` (int4 scales folded by `int4_fold_scales`, or codes in the tiled layout of `int4_tile`
+with factors from `int4_subnormal_scales`), and return y (M, N) in x's dtype.
 
 - `ember::float_linear(x, weight)`: bf16/fp16 weights, one row on CUDA (used by `ember.ops.linear.Linear`).
 - `ember::silu_gate_up(x, weight, scales)`: a fused gate/up projection and SwiGLU's silu(gate) * up in one
@@ -50,6 +51,21 @@ def int4_fold_scales(
     return s16.to(dtype), (mins.float() - s16).to(dtype)
 
 
+def int4_subnormal_scales(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """(scales, mins) (N, K/g) of w = q*s + min -> int32 (N, K/g), the factors of the subnormal int4 GEMV
+    (`triton_kernels.int4_tiled_gemv`) as two bf16 in one word (bf16's exponent range holds them): s * 2^100 in
+    the high half, min * 2^(P - 49) in the low, P the bit position at which the kernel reads the group's codes
+    (4j for nibble j <= 4 of the tiled layout, then 12, 16, 16). Scaled by powers of two, the two are exactly
+    s and min rounded to bf16."""
+    j = torch.arange(scales.shape[-1], device=scales.device) % 8
+    p = torch.tensor([0, 4, 8, 12, 16, 12, 16, 16], device=scales.device)[j]
+    s = (scales.to(torch.bfloat16).float() * 2.0**100).to(torch.bfloat16)
+    z = (mins.to(torch.bfloat16).float() * torch.exp2((p - 49).float())).to(torch.bfloat16)
+    hi = s.view(torch.int16).to(torch.int32) << 16
+    lo = z.view(torch.int16).to(torch.int32) & 0xFFFF
+    return hi | lo
+
+
 def int4_tiles(in_features: int, group_size: int) -> bool:
     """Whether K splits into tiles of 8 groups, which the tiled int4 layout (`int4_tile`) needs."""
     return in_features % (8 * group_size) == 0
@@ -80,13 +96,9 @@ def int4_untile(words: torch.Tensor, group_size: int) -> torch.Tensor:
 def int4_linear_reference(
     x: torch.Tensor, qweight: torch.Tensor, s16: torch.Tensor, z16: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """x (M, K), qweight uint8 (N, K/2) nibbles or int32 (N, K/8) tiled words (`int4_tile`), folded scales
-    (N, K/g) -> (M, N): x @ ((1 + q/16) * s16 + z16).T."""
+    """x (M, K), qweight uint8 (N, K/2) nibbles, folded scales (N, K/g) -> (M, N): x @ ((1 + q/16) * s16 + z16).T."""
     N = qweight.shape[0]
-    if qweight.dtype == torch.int32:
-        codes = int4_untile(qweight, group_size).reshape(N, -1, group_size)
-    else:
-        codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(N, -1, group_size)  # (N, K/g, g)
+    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(N, -1, group_size)  # (N, K/g, g)
     f = codes.float() / 16 + 1
     w = f * s16[..., None].float() + z16[..., None].float()
     return F.linear(x, w.reshape(N, -1).to(x.dtype))
@@ -184,7 +196,49 @@ def _(x: torch.Tensor, qweight: torch.Tensor, s16: torch.Tensor, z16: torch.Tens
     if HAS_TRITON and x.shape[0] <= GEMV_MAX_ROWS:
         from ember.quant import triton_kernels
 
-        if qweight.dtype == torch.int32:
-            return triton_kernels.int4_tiled_gemv(x.contiguous(), qweight, s16, z16, group_size)
         return triton_kernels.int4_gemv(x.contiguous(), qweight, s16, z16, group_size)
     return int4_linear_reference(x, qweight, s16, z16, group_size)
+
+
+def int4_tiled_dequantize(words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Tiled words int32 (N, K/8) (`int4_tile`) and their factors sz (`int4_subnormal_scales`) -> the float32
+    weights (N, K): q * s + min, with s and min as rounded to bf16."""
+    N = words.shape[0]
+    codes = int4_untile(words, group_size).reshape(N, -1, group_size).float()  # (N, K/g, g)
+    j = torch.arange(sz.shape[-1], device=sz.device) % 8
+    p = torch.tensor([0, 4, 8, 12, 16, 12, 16, 16], device=sz.device)[j]
+    s = (sz & -65536).view(torch.float32) * 2.0**-100
+    z = (sz << 16).view(torch.float32) * torch.exp2((49 - p).float())
+    return (codes * s[..., None] + z[..., None]).reshape(N, -1)
+
+
+def int4_tiled_linear_reference(
+    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """x (M, K), tiled words and factors (`int4_tiled_dequantize`) -> (M, N) in x's dtype."""
+    return F.linear(x, int4_tiled_dequantize(words, sz, group_size).to(x.dtype))
+
+
+@torch.library.custom_op("ember::int4_tiled_linear", mutates_args=())
+def int4_tiled_linear(
+    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """`int4_tiled_linear_reference`; on CUDA the subnormal-code GEMV for few rows (`triton_kernels.int4_tiled_gemv`)
+    and, for more, a Triton dequantize to the activation dtype and torch's matmul."""
+    return int4_tiled_linear_reference(x, words, sz, group_size)
+
+
+@int4_tiled_linear.register_fake
+def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int):
+    return x.new_empty(x.shape[0], words.shape[0])
+
+
+@int4_tiled_linear.register_kernel("cuda")
+def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int):
+    if not HAS_TRITON:
+        return int4_tiled_linear_reference(x, words, sz, group_size)
+    from ember.quant import triton_kernels
+
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        return triton_kernels.int4_tiled_gemv(x.contiguous(), words, sz, group_size)
+    return F.linear(x, triton_kernels.int4_tiled_dequantize(words, sz, group_size, x.dtype))

@@ -136,6 +136,11 @@ class Int8WeightOnlyLinear(QuantLinear):
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
 
 
+# Output features from which a bf16 int4 projection on CUDA takes Ember's tiled GEMV over torch's tinygemm:
+# measured on an H200 at Llama-3-8B's shapes, faster at 28672 and 128256 rows, even at 6144, slower at 4096.
+TILED_MIN_ROWS = 8192
+
+
 class Int4WeightOnlyLinear(QuantLinear):
     scheme = "int4"
 
@@ -174,18 +179,27 @@ class Int4WeightOnlyLinear(QuantLinear):
         return (codes * self.scales[..., None] + self.mins[..., None]).reshape(N, K)
 
     def prepare(self) -> None:
-        """Picks the kernel for this device and dtype and builds its layout (a second copy of the codes; the
-        canonical one stays the state dict):
+        """Picks the kernel for this device, dtype and shape and builds its layout (a second copy of the codes;
+        the canonical one stays the state dict):
 
-        - "tinygemm": torch's int4 kernels (`_weight_int4pack_mm*`), on CPU and for bf16 on CUDA. On an H200
-          they read Llama-3-8B's projections 8-21% faster than Ember's tiled Triton GEMV at one row
-          (BENCHMARKS.md) and serve prefill with tensor cores.
-        - "triton": Ember's tiled GEMV (`ember.quant.kernels.int4_linear`) for other CUDA dtypes.
+        - "tinygemm": torch's int4 kernels (`_weight_int4pack_mm*`), on CPU, and on CUDA for bf16 projections
+          of fewer than TILED_MIN_ROWS outputs, which it reads fastest at one row on an H200 and serves at
+          prefill with tensor cores.
+        - "tiled": Ember's tiled GEMV (`ember.quant.kernels.int4_tiled_linear`; codes read as subnormal floats)
+          on CUDA for wide projections (Llama-3-8B's gate/up 28.8 vs 33.3 us, its output 117 vs 140 us;
+          BENCHMARKS.md) and for other dtypes; prefill dequantizes in one Triton pass and runs torch's matmul.
+        - "triton": Ember's canonical-layout GEMV where K does not split into tiles of 8 groups.
         """
         dev = self.qweight.device
         tiles = next((t for t in (8, 4, 2) if self.in_features % (16 * t) == 0), None)
         cuda_ok = self.dtype == torch.bfloat16 and self.out_features % 8 == 0 and tiles is not None
-        self._kernel = "tinygemm" if dev.type == "cpu" or (dev.type == "cuda" and cuda_ok) else "triton"
+        tiled = kernels.int4_tiles(self.in_features, self.group_size)
+        if dev.type == "cpu":
+            self._kernel = "tinygemm"
+        elif tiled and (not cuda_ok or self.out_features >= TILED_MIN_ROWS):
+            self._kernel = "tiled"
+        else:
+            self._kernel = "tinygemm" if cuda_ok else "triton"
         if self._kernel == "tinygemm":
             codes = unpack_nibbles(self.qweight)
             if dev.type == "cpu":
@@ -197,18 +211,23 @@ class Int4WeightOnlyLinear(QuantLinear):
             sz = torch.stack((self.scales, self.mins + 8 * self.scales), dim=-1).transpose(0, 1)
             self.register_buffer("_packed", packed, persistent=False)
             self.register_buffer("_sz", sz.contiguous().to(torch.bfloat16), persistent=False)
+        elif self._kernel == "tiled":
+            self.register_buffer("_words", kernels.int4_tile(self.qweight, self.group_size), persistent=False)
+            self.register_buffer(
+                "_sz", kernels.int4_subnormal_scales(self.scales, self.mins), persistent=False
+            )
         else:
-            # Scales folded for the GEMV kernel, in the activation dtype, and the codes in its tiled layout
-            # where K allows it.
             s16, z16 = kernels.int4_fold_scales(self.scales, self.mins, self.dtype)
             self.register_buffer("_s16", s16, persistent=False)
             self.register_buffer("_z16", z16, persistent=False)
-            tiled = kernels.int4_tiles(self.in_features, self.group_size)
-            words = kernels.int4_tile(self.qweight, self.group_size) if tiled else self.qweight
-            self.register_buffer("_words", words, persistent=False)
 
     def _runtime_buffers(self) -> tuple[str, ...]:
-        return ("_packed", "_sz") if self._kernel == "tinygemm" else ("_words", "_s16", "_z16")
+        kinds = {
+            "tinygemm": ("_packed", "_sz"),
+            "tiled": ("_words", "_sz"),
+            "triton": ("qweight", "_s16", "_z16"),
+        }
+        return kinds[self._kernel]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -220,8 +239,10 @@ class Int4WeightOnlyLinear(QuantLinear):
                 torch.ops.aten._weight_int4pack_mm_for_cpu if x.is_cpu else torch.ops.aten._weight_int4pack_mm
             )
             y = mm(x2.to(torch.bfloat16), self._packed, self.group_size, self._sz).to(x.dtype)
+        elif self._kernel == "tiled":
+            y = kernels.int4_tiled_linear(x2, self._words, self._sz, self.group_size)
         else:
-            y = kernels.int4_linear(x2, self._words, self._s16, self._z16, self.group_size)
+            y = kernels.int4_linear(x2, self.qweight, self._s16, self._z16, self.group_size)
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
 
 

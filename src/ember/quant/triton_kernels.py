@@ -10,10 +10,12 @@ reduced once at the end. What keeps them near the limit on an H100/H200-class GP
 - Integer codes become floats without the int-to-float conversion instruction, which runs at a quarter of
   the FMA rate and would cap an int8 GEMV below the bandwidth limit. The code is written into the mantissa
   of a float with a fixed exponent instead: for int8, bits(2^23) + 128 + q is the float 2^23 + 128 + q, so
-  one byte permute (`prmt`, on a GPU) and one float subtract give q exactly; for int4, the nibble placed
-  in the top mantissa bits of 1.0 gives 1 + q/16, and the scale and minimum are stored pre-folded
-  (`ember.quant.kernels.int4_fold_scales`) so that one FMA gives the weight: (1 + q/16) * 16s + (min - 16s).
-- int4 scales are loaded once per group (the tile is viewed as (BLOCK_N, groups, group size)), not per byte.
+  one byte permute (`prmt`, on a GPU) and one float subtract give q exactly. For int4 in the tiled layout
+  (`ember.quant.kernels.int4_tile`, the CUDA path) the masked nibble, left where it lies in its word, is
+  read as the subnormal float q * 2^(P - 149); one FMA with factors scaled by powers of two gives the
+  weight times 2^(P - 49), exactly, and x scaled the other way undoes it (`_int4_tiled_gemv_kernel`): one
+  AND and two FMAs per weight. In the canonical layout the nibble placed in the top mantissa bits of 1.0
+  gives 1 + q/16, with scales folded by `ember.quant.kernels.int4_fold_scales`.
 - Activations are loaded in the weight tile's shape, every row the same x (served from L1), so each thread
   gets the x values of the weights it holds; a vector of x broadcast over the rows cost a trip through
   shared memory and two barriers per loop step (seen in the SASS; int8 gate/up 33.4 -> 30.3 us).
@@ -270,8 +272,7 @@ def _int4_gemv_kernel(
 def _int4_tiled_gemv_kernel(
     x_ptr,
     w_ptr,
-    s_ptr,
-    z_ptr,
+    sz_ptr,
     y_ptr,
     N,
     K: tl.constexpr,
@@ -279,10 +280,18 @@ def _int4_tiled_gemv_kernel(
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    # w: int32 (N, K/8) in the tiled layout of `kernels.int4_tile`: word i of tile t holds, in nibble j, the
-    # weight k = 8g*t + g*j + i. So each nibble position is one whole group of contiguous k, and a shift and
-    # a mask per weight unpack a (BLOCK_N, g) block with no shuffling between threads. x is loaded in the
-    # tile's shape (see _gemv_step) so that it lands in the registers of the weights it meets. PDL (`ember.ops.launch`): the first tile's words are loaded before waiting.
+    # w: int32 (N, K/8) in the tiled layout of `kernels.int4_tile` (nibble j of word i of tile t: weight
+    # k = 8g*t + g*j + i). sz: int32 (N, K/g) from `kernels.int4_subnormal_scales`, two bf16 in one word (one
+    # load): s * 2^100 in the high half and, for the group at nibble position j, min * 2^(P_j - 49) in the low.
+    # A code is never shifted to the top of a mantissa: masked where it lies (or shifted right by 8 or 12 bits
+    # for the top three nibbles, two shifts per word), the bits read as a float are the subnormal number
+    # q * 2^(P_j - 149), P_j = its bit position. One FMA makes the weight scaled by 2^(P_j - 49), exactly
+    # (an FMA rounds once, after an exact product, also of a subnormal), and x, scaled by 2^(49 - P_j) once per
+    # element, undoes the factor. So a weight costs one AND and two FMAs, where placing the nibble in the
+    # mantissa of 1.0 cost a shift, a mask and an OR with a second constant that the compiler re-materialises
+    # (7.8 instructions per weight in all, measured with ncu; ALU-bound at a third of the memory's bandwidth).
+    # It needs FMAs that keep subnormal inputs (Triton emits fma.rn.f32, not .ftz; `benchmarks/gpu_gemv.py
+    # --check` runs it on the GPU) and holds for |x| < 2^79, scales < 2^27 and weights above 2^-77 in size.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     m = tl.program_id(1)
@@ -293,39 +302,44 @@ def _int4_tiled_gemv_kernel(
     G: tl.constexpr = K // GROUP
     w_ptrs = w_ptr + rows[:, None] * KW + ri[None, :]
     x_ptrs = x_ptr + m * K + (rows * 0)[:, None] + ri[None, :]
-    s_ptrs = s_ptr + rows * G
-    z_ptrs = z_ptr + rows * G
+    sz_ptrs = sz_ptr + rows * G
     acc = tl.zeros((BLOCK_N, GROUP), dtype=tl.float32)
     T: tl.constexpr = K // (8 * GROUP)  # tiles per row
     words = tl.load(w_ptrs)  # (BLOCK_N, GROUP) int32, tile 0
     if PDL:
         tl.extra.cuda.gdc_wait()
     for t in range(0, T):
-        # The next tile's words are in flight while this one is unpacked (none after the last).
         nxt = tl.load(w_ptrs + GROUP, mask=(ri[None, :] * 0 + t + 1) < T, other=0)
         for j in tl.static_range(8):
-            x = tl.load(x_ptrs + j * GROUP).to(tl.float32)
-            # Nibble j into mantissa bits 19-22 of 1.0: the float 1 + q/16.
-            if j <= 4:
-                bits = (words << (19 - 4 * j)) & 0x780000
-            else:
-                bits = (words >> (4 * j - 19)) & 0x780000
-            f = (bits | 0x3F800000).to(tl.float32, bitcast=True)
-            s = tl.load(s_ptrs + j).to(tl.float32)
-            z = tl.load(z_ptrs + j).to(tl.float32)
+            sz = tl.load(sz_ptrs + j)  # bf16 -> float32 is a move to the high half
+            s = (sz & -65536).to(tl.float32, bitcast=True)
+            z = (sz << 16).to(tl.float32, bitcast=True)
+            if j <= 4:  # bits 4j..4j+3: P = 4j
+                bits = words & (0xF << (4 * j))
+                xs = 2.0 ** (49 - 4 * j)
+            elif j == 5:  # bits 20..23 -> 12..15
+                bits = (words >> 8) & 0xF000
+                xs = 2.0**37
+            elif j == 6:  # bits 24..27 -> 16..19
+                bits = (words >> 8) & 0xF0000
+                xs = 2.0**33
+            else:  # bits 28..31 -> 16..19
+                bits = (words >> 12) & 0xF0000
+                xs = 2.0**33
+            x = tl.load(x_ptrs + j * GROUP).to(tl.float32) * xs
+            f = bits.to(tl.float32, bitcast=True)
             acc += (f * s[:, None] + z[:, None]) * x
         words = nxt
         w_ptrs += GROUP
         x_ptrs += 8 * GROUP
-        s_ptrs += 8
-        z_ptrs += 8
+        sz_ptrs += 8
     out = tl.sum(acc, axis=1)
     tl.store(y_ptr + m * N + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
-TILED_CONFIGS = [  # (BLOCK_N, warps, stages): the best few per Llama-3-8B shape in benchmarks/gpu_gemv.py
-    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=s)
-    for bn, w, s in [(16, 8, 1), (16, 8, 3), (8, 2, 3), (8, 8, 1), (4, 4, 1)]
+TILED_CONFIGS = [  # (BLOCK_N, warps): the best few per Llama-3-8B shape in benchmarks/gpu_gemv.py
+    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=1)
+    for bn, w in [(16, 2), (32, 4), (64, 8), (32, 8), (8, 2)]
 ]
 _float_tuned = triton.autotune(configs=FLOAT_CONFIGS, key=["N", "K"])(
     triton.heuristics(_HEURISTICS)(_gemv_kernel)
@@ -394,30 +408,6 @@ def fused_gemv(
     return y
 
 
-_int4_tiled_tuned = triton.autotune(configs=TILED_CONFIGS, key=["N", "K", "GROUP"])(_int4_tiled_gemv_kernel)
-
-
-def int4_tiled_gemv(
-    x: torch.Tensor,
-    words: torch.Tensor,
-    s16: torch.Tensor,
-    z16: torch.Tensor,
-    group_size: int,
-    blocks: dict | None = None,
-) -> torch.Tensor:
-    """x (M, K) contiguous, words int32 (N, K/8) from `kernels.int4_tile`, folded scales (N, K/g) -> (M, N)."""
-    M, K = x.shape
-    N = words.shape[0]
-    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), M)  # noqa: E731
-    args = (x, words, s16, z16, y, N, K)
-    if blocks is None:
-        _int4_tiled_tuned[grid](*args, GROUP=group_size, **launch_options(x.device))
-    else:
-        _int4_tiled_gemv_kernel[grid](*args, GROUP=group_size, **{**launch_options(x.device), **blocks})
-    return y
-
-
 def int4_gemv(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -431,4 +421,71 @@ def int4_gemv(
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     args = (x, qweight, s16, z16, y, N, K)
     _launch(_int4_tuned, _int4_gemv_kernel, blocks, M, N, K, args, GROUP=group_size)
+    return y
+
+
+_int4_tiled_tuned = triton.autotune(configs=TILED_CONFIGS, key=["N", "K", "GROUP"])(_int4_tiled_gemv_kernel)
+
+
+@triton.jit
+def _int4_tiled_dequant_kernel(
+    w_ptr, sz_ptr, out_ptr, N, K: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    # The weights of `_int4_tiled_gemv_kernel` in out's dtype (N, K): program (row block, tile).
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = tl.program_id(1)
+    rows = tl.where(rn < N, rn, 0).to(tl.int64)
+    ri = tl.arange(0, GROUP)
+    G: tl.constexpr = K // GROUP
+    words = tl.load(w_ptr + rows[:, None] * (K // 8) + t * GROUP + ri[None, :])
+    out_ptrs = out_ptr + rows[:, None] * K + t * 8 * GROUP + ri[None, :]
+    ok = (rn < N)[:, None]
+    for j in tl.static_range(8):
+        sz = tl.load(sz_ptr + rows * G + t * 8 + j)
+        s = (sz & -65536).to(tl.float32, bitcast=True)
+        z = (sz << 16).to(tl.float32, bitcast=True)
+        if j <= 4:
+            bits = words & (0xF << (4 * j))
+            xs = 2.0 ** (49 - 4 * j)
+        elif j == 5:
+            bits = (words >> 8) & 0xF000
+            xs = 2.0**37
+        elif j == 6:
+            bits = (words >> 8) & 0xF0000
+            xs = 2.0**33
+        else:
+            bits = (words >> 12) & 0xF0000
+            xs = 2.0**33
+        w = (bits.to(tl.float32, bitcast=True) * s[:, None] + z[:, None]) * xs
+        tl.store(out_ptrs + j * GROUP, w.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def int4_tiled_dequantize(
+    words: torch.Tensor, sz: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The weights (N, K) in `dtype` of the tiled codes and factors that `int4_tiled_gemv` takes (prefill: one
+    pass over the codes, then torch's matmul)."""
+    N, K = words.shape[0], words.shape[1] * 8
+    out = torch.empty(N, K, device=words.device, dtype=dtype)
+    BLOCK_N = 16
+    _int4_tiled_dequant_kernel[(triton.cdiv(N, BLOCK_N), K // (8 * group_size))](
+        words, sz, out, N, K, GROUP=group_size, BLOCK_N=BLOCK_N, num_warps=4
+    )
+    return out
+
+
+def int4_tiled_gemv(
+    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, blocks: dict | None = None
+) -> torch.Tensor:
+    """x (M, K) contiguous, words int32 (N, K/8) from `kernels.int4_tile`, sz int32 (N, K/g) from
+    `kernels.int4_subnormal_scales` -> (M, N)."""
+    M, K = x.shape
+    N = words.shape[0]
+    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), M)  # noqa: E731
+    args = (x, words, sz, y, N, K)
+    if blocks is None:
+        _int4_tiled_tuned[grid](*args, GROUP=group_size, **launch_options(x.device))
+    else:
+        _int4_tiled_gemv_kernel[grid](*args, GROUP=group_size, **{**launch_options(x.device), **blocks})
     return y
