@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 GEMV_MAX_ROWS = 8  # above this many rows (prefill), dequantize + matmul wins over a GEMV kernel
+# The bit at which the tiled int4 GEMV reads nibble j of a word (`triton_kernels._subnormal_nibble`).
+TILED_NIBBLE_BITS = (0, 4, 8, 12, 16, 12, 16, 16)
 
 
 def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -58,7 +60,7 @@ def int4_subnormal_scales(scales: torch.Tensor, mins: torch.Tensor) -> torch.Ten
     (4j for nibble j <= 4 of the tiled layout, then 12, 16, 16). Scaled by powers of two, the two are exactly
     s and min rounded to bf16."""
     j = torch.arange(scales.shape[-1], device=scales.device) % 8
-    p = torch.tensor([0, 4, 8, 12, 16, 12, 16, 16], device=scales.device)[j]
+    p = torch.tensor(TILED_NIBBLE_BITS, device=scales.device)[j]
     s = (scales.to(torch.bfloat16).float() * 2.0**100).to(torch.bfloat16)
     z = (mins.to(torch.bfloat16).float() * torch.exp2((p - 49).float())).to(torch.bfloat16)
     hi = s.view(torch.int16).to(torch.int32) << 16
@@ -206,7 +208,7 @@ def int4_tiled_dequantize(words: torch.Tensor, sz: torch.Tensor, group_size: int
     N = words.shape[0]
     codes = int4_untile(words, group_size).reshape(N, -1, group_size).float()  # (N, K/g, g)
     j = torch.arange(sz.shape[-1], device=sz.device) % 8
-    p = torch.tensor([0, 4, 8, 12, 16, 12, 16, 16], device=sz.device)[j]
+    p = torch.tensor(TILED_NIBBLE_BITS, device=sz.device)[j]
     s = (sz & -65536).view(torch.float32) * 2.0**-100
     z = (sz << 16).view(torch.float32) * torch.exp2((49 - p).float())
     return (codes * s[..., None] + z[..., None]).reshape(N, -1)

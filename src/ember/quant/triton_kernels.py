@@ -269,6 +269,25 @@ def _int4_gemv_kernel(
 
 
 @triton.jit
+def _subnormal_nibble(words, j: tl.constexpr):
+    # Nibble j of each word as the subnormal float q * 2^(P - 149), and 2^(49 - P), the factor that undoes the
+    # weight's scaling; P is where the nibble is read (`kernels.TILED_NIBBLE_BITS`).
+    if j <= 4:  # bits 4j..4j+3: P = 4j
+        bits = words & (0xF << (4 * j))
+        xs = 2.0 ** (49 - 4 * j)
+    elif j == 5:  # bits 20..23 -> 12..15
+        bits = (words >> 8) & 0xF000
+        xs = 2.0**37
+    elif j == 6:  # bits 24..27 -> 16..19
+        bits = (words >> 8) & 0xF0000
+        xs = 2.0**33
+    else:  # bits 28..31 -> 16..19
+        bits = (words >> 12) & 0xF0000
+        xs = 2.0**33
+    return bits.to(tl.float32, bitcast=True), xs
+
+
+@triton.jit
 def _int4_tiled_gemv_kernel(
     x_ptr,
     w_ptr,
@@ -314,20 +333,8 @@ def _int4_tiled_gemv_kernel(
             sz = tl.load(sz_ptrs + j)  # bf16 -> float32 is a move to the high half
             s = (sz & -65536).to(tl.float32, bitcast=True)
             z = (sz << 16).to(tl.float32, bitcast=True)
-            if j <= 4:  # bits 4j..4j+3: P = 4j
-                bits = words & (0xF << (4 * j))
-                xs = 2.0 ** (49 - 4 * j)
-            elif j == 5:  # bits 20..23 -> 12..15
-                bits = (words >> 8) & 0xF000
-                xs = 2.0**37
-            elif j == 6:  # bits 24..27 -> 16..19
-                bits = (words >> 8) & 0xF0000
-                xs = 2.0**33
-            else:  # bits 28..31 -> 16..19
-                bits = (words >> 12) & 0xF0000
-                xs = 2.0**33
+            f, xs = _subnormal_nibble(words, j)
             x = tl.load(x_ptrs + j * GROUP).to(tl.float32) * xs
-            f = bits.to(tl.float32, bitcast=True)
             acc += (f * s[:, None] + z[:, None]) * x
         words = nxt
         w_ptrs += GROUP
@@ -444,19 +451,8 @@ def _int4_tiled_dequant_kernel(
         sz = tl.load(sz_ptr + rows * G + t * 8 + j)
         s = (sz & -65536).to(tl.float32, bitcast=True)
         z = (sz << 16).to(tl.float32, bitcast=True)
-        if j <= 4:
-            bits = words & (0xF << (4 * j))
-            xs = 2.0 ** (49 - 4 * j)
-        elif j == 5:
-            bits = (words >> 8) & 0xF000
-            xs = 2.0**37
-        elif j == 6:
-            bits = (words >> 8) & 0xF0000
-            xs = 2.0**33
-        else:
-            bits = (words >> 12) & 0xF0000
-            xs = 2.0**33
-        w = (bits.to(tl.float32, bitcast=True) * s[:, None] + z[:, None]) * xs
+        f, xs = _subnormal_nibble(words, j)
+        w = (f * s[:, None] + z[:, None]) * xs
         tl.store(out_ptrs + j * GROUP, w.to(out_ptr.dtype.element_ty), mask=ok)
 
 
