@@ -95,7 +95,7 @@ def weights_for(kind: str, N: int, K: int, copies: int):
         linear.weight = nn.Parameter(w, requires_grad=False)
         module = QuantSpec.parse(f"int4-g{GROUP}").make(linear)
         module.prepare()
-        assert module._kernel == "tinygemm"
+        assert module._tinygemm
         one = (module._packed, module._sz)
     nbytes = sum(t.numel() * t.element_size() for t in one)
     return [one] + [tuple(t.clone() for t in one) for _ in range(copies - 1)], nbytes

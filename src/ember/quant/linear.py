@@ -186,8 +186,10 @@ class Int4WeightOnlyLinear(QuantLinear):
           of fewer than TILED_MIN_ROWS outputs, which it reads fastest at one row on an H200 and serves at
           prefill with tensor cores.
         - "tiled": Ember's tiled GEMV (`ember.quant.kernels.int4_tiled_linear`; codes read as subnormal floats)
-          on CUDA for wide projections (Llama-3-8B's gate/up 28.8 vs 33.3 us, its output 117 vs 140 us;
-          BENCHMARKS.md) and for other dtypes; prefill dequantizes in one Triton pass and runs torch's matmul.
+          on CUDA for one row of wide projections (Llama-3-8B's gate/up 28.8 vs 33.3 us, its output 117 vs
+          140 us; BENCHMARKS.md), and for other dtypes. Being a GEMV, it reads the weights once per row; so
+          where tinygemm can run, its layout is kept too (a second copy of these codes) and serves two rows
+          or more (prefill, batched decoding), else those dequantize in one Triton pass for torch's matmul.
         - "triton": Ember's canonical-layout GEMV where K does not split into tiles of 8 groups.
         """
         dev = self.qweight.device
@@ -200,7 +202,8 @@ class Int4WeightOnlyLinear(QuantLinear):
             self._kernel = "tiled"
         else:
             self._kernel = "tinygemm" if cuda_ok else "triton"
-        if self._kernel == "tinygemm":
+        self._tinygemm = dev.type == "cpu" or cuda_ok
+        if self._tinygemm:
             codes = unpack_nibbles(self.qweight)
             if dev.type == "cpu":
                 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
@@ -211,20 +214,21 @@ class Int4WeightOnlyLinear(QuantLinear):
             sz = torch.stack((self.scales, self.mins + 8 * self.scales), dim=-1).transpose(0, 1)
             self.register_buffer("_packed", packed, persistent=False)
             self.register_buffer("_sz", sz.contiguous().to(torch.bfloat16), persistent=False)
-        elif self._kernel == "tiled":
+        if self._kernel == "tiled":
             self.register_buffer("_words", kernels.int4_tile(self.qweight, self.group_size), persistent=False)
             self.register_buffer(
-                "_sz", kernels.int4_subnormal_scales(self.scales, self.mins), persistent=False
+                "_tsz", kernels.int4_subnormal_scales(self.scales, self.mins), persistent=False
             )
-        else:
+        elif self._kernel == "triton":
             s16, z16 = kernels.int4_fold_scales(self.scales, self.mins, self.dtype)
             self.register_buffer("_s16", s16, persistent=False)
             self.register_buffer("_z16", z16, persistent=False)
 
     def _runtime_buffers(self) -> tuple[str, ...]:
+        """What one row reads (a decode step's bytes)."""
         kinds = {
             "tinygemm": ("_packed", "_sz"),
-            "tiled": ("_words", "_sz"),
+            "tiled": ("_words", "_tsz"),
             "triton": ("qweight", "_s16", "_z16"),
         }
         return kinds[self._kernel]
@@ -232,15 +236,15 @@ class Int4WeightOnlyLinear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, K)
-        if self._kernel == "tinygemm":
+        if self._kernel == "tiled" and (x2.shape[0] == 1 or not self._tinygemm):
+            y = kernels.int4_tiled_linear(x2, self._words, self._tsz, self.group_size)
+        elif self._tinygemm:
             # bf16 activations: the only dtype of the CUDA kernel, and the CPU kernel's float32 path is not
             # vectorised (measured ~60x slower on AVX-512).
             mm = (
                 torch.ops.aten._weight_int4pack_mm_for_cpu if x.is_cpu else torch.ops.aten._weight_int4pack_mm
             )
             y = mm(x2.to(torch.bfloat16), self._packed, self.group_size, self._sz).to(x.dtype)
-        elif self._kernel == "tiled":
-            y = kernels.int4_tiled_linear(x2, self._words, self._sz, self.group_size)
         else:
             y = kernels.int4_linear(x2, self.qweight, self._s16, self._z16, self.group_size)
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
