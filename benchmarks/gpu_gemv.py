@@ -229,9 +229,9 @@ def check_modules() -> None:
 
 
 def check_int4_tiled() -> None:
-    """The tiled int4 GEMV (codes read as subnormal floats) against float math on its dequantized weights (s and min rounded to bf16), at
-    one row, for activations of ordinary, large, tiny and zero size: the kernel scales weights and x by
-    powers of two up to 2^100 and reads codes as subnormal floats, which a flush-to-zero build would lose."""
+    """The tiled int4 GEMV against float math on its dequantized weights (s and min rounded to bf16), at one
+    row, for activations of ordinary, large, tiny and zero size: the kernel scales weights and x by powers of
+    two up to 2^100 and reads codes as subnormal floats, which a flush-to-zero build would lose."""
     from ember.quant import triton_kernels as tk
     from ember.quant.kernels import int4_subnormal_scales, int4_tile
     from ember.quant.linear import pack_nibbles, quantize_int4_grouped

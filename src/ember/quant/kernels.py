@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 GEMV_MAX_ROWS = 8  # above this many rows (prefill), dequantize + matmul wins over a GEMV kernel
-# The bit at which the tiled int4 GEMV reads nibble j of a word (`triton_kernels._subnormal_nibble`).
+# The bit at which the tiled int4 GEMV reads nibble j of a word (`triton_kernels._tiled_weights`).
 TILED_NIBBLE_BITS = (0, 4, 8, 12, 16, 12, 16, 16)
 
 
@@ -53,14 +53,19 @@ def int4_fold_scales(
     return s16.to(dtype), (mins.float() - s16).to(dtype)
 
 
+def _tiled_bits(per_group: torch.Tensor) -> torch.Tensor:
+    """(K/g,) the bit at which the tiled GEMV reads each group's codes: group 8t + j is nibble j of tile t."""
+    j = torch.arange(per_group.shape[-1], device=per_group.device) % 8
+    return torch.tensor(TILED_NIBBLE_BITS, device=per_group.device)[j]
+
+
 def int4_subnormal_scales(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """(scales, mins) (N, K/g) of w = q*s + min -> int32 (N, K/g), the factors of the subnormal int4 GEMV
     (`triton_kernels.int4_tiled_gemv`) as two bf16 in one word (bf16's exponent range holds them): s * 2^100 in
     the high half, min * 2^(P - 49) in the low, P the bit position at which the kernel reads the group's codes
     (4j for nibble j <= 4 of the tiled layout, then 12, 16, 16). Scaled by powers of two, the two are exactly
     s and min rounded to bf16."""
-    j = torch.arange(scales.shape[-1], device=scales.device) % 8
-    p = torch.tensor(TILED_NIBBLE_BITS, device=scales.device)[j]
+    p = _tiled_bits(scales)
     s = (scales.to(torch.bfloat16).float() * 2.0**100).to(torch.bfloat16)
     z = (mins.to(torch.bfloat16).float() * torch.exp2((p - 49).float())).to(torch.bfloat16)
     hi = s.view(torch.int16).to(torch.int32) << 16
@@ -207,8 +212,7 @@ def int4_tiled_dequantize(words: torch.Tensor, sz: torch.Tensor, group_size: int
     weights (N, K): q * s + min, with s and min as rounded to bf16."""
     N = words.shape[0]
     codes = int4_untile(words, group_size).reshape(N, -1, group_size).float()  # (N, K/g, g)
-    j = torch.arange(sz.shape[-1], device=sz.device) % 8
-    p = torch.tensor(TILED_NIBBLE_BITS, device=sz.device)[j]
+    p = _tiled_bits(sz)
     s = (sz & -65536).view(torch.float32) * 2.0**-100
     z = (sz << 16).view(torch.float32) * torch.exp2((49 - p).float())
     return (codes * s[..., None] + z[..., None]).reshape(N, -1)

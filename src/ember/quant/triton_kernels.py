@@ -269,9 +269,10 @@ def _int4_gemv_kernel(
 
 
 @triton.jit
-def _subnormal_nibble(words, j: tl.constexpr):
-    # Nibble j of each word as the subnormal float q * 2^(P - 149), and 2^(49 - P), the factor that undoes the
-    # weight's scaling; P is where the nibble is read (`kernels.TILED_NIBBLE_BITS`).
+def _tiled_weights(words, sz, j: tl.constexpr):
+    # The weights at nibble j of each word, times 2^(P - 49), and 2^(49 - P), the factor that undoes it; P is
+    # the bit at which the nibble is read (`kernels.TILED_NIBBLE_BITS`). sz: the rows' factors of group j
+    # (`kernels.int4_subnormal_scales`; bf16 -> float32 is a move to the high half).
     if j <= 4:  # bits 4j..4j+3: P = 4j
         bits = words & (0xF << (4 * j))
         xs = 2.0 ** (49 - 4 * j)
@@ -284,7 +285,9 @@ def _subnormal_nibble(words, j: tl.constexpr):
     else:  # bits 28..31 -> 16..19
         bits = (words >> 12) & 0xF0000
         xs = 2.0**33
-    return bits.to(tl.float32, bitcast=True), xs
+    s = (sz & -65536).to(tl.float32, bitcast=True)
+    z = (sz << 16).to(tl.float32, bitcast=True)
+    return bits.to(tl.float32, bitcast=True) * s[:, None] + z[:, None], xs
 
 
 @triton.jit
@@ -328,14 +331,11 @@ def _int4_tiled_gemv_kernel(
     if PDL:
         tl.extra.cuda.gdc_wait()
     for t in range(0, T):
+        # The next tile's words are in flight while this one is unpacked (none after the last).
         nxt = tl.load(w_ptrs + GROUP, mask=(ri[None, :] * 0 + t + 1) < T, other=0)
         for j in tl.static_range(8):
-            sz = tl.load(sz_ptrs + j)  # bf16 -> float32 is a move to the high half
-            s = (sz & -65536).to(tl.float32, bitcast=True)
-            z = (sz << 16).to(tl.float32, bitcast=True)
-            f, xs = _subnormal_nibble(words, j)
-            x = tl.load(x_ptrs + j * GROUP).to(tl.float32) * xs
-            acc += (f * s[:, None] + z[:, None]) * x
+            w, xs = _tiled_weights(words, tl.load(sz_ptrs + j), j)
+            acc += w * (tl.load(x_ptrs + j * GROUP).to(tl.float32) * xs)
         words = nxt
         w_ptrs += GROUP
         x_ptrs += 8 * GROUP
@@ -448,12 +448,8 @@ def _int4_tiled_dequant_kernel(
     out_ptrs = out_ptr + rows[:, None] * K + t * 8 * GROUP + ri[None, :]
     ok = (rn < N)[:, None]
     for j in tl.static_range(8):
-        sz = tl.load(sz_ptr + rows * G + t * 8 + j)
-        s = (sz & -65536).to(tl.float32, bitcast=True)
-        z = (sz << 16).to(tl.float32, bitcast=True)
-        f, xs = _subnormal_nibble(words, j)
-        w = (f * s[:, None] + z[:, None]) * xs
-        tl.store(out_ptrs + j * GROUP, w.to(out_ptr.dtype.element_ty), mask=ok)
+        w, xs = _tiled_weights(words, tl.load(sz_ptr + rows * G + t * 8 + j), j)
+        tl.store(out_ptrs + j * GROUP, (w * xs).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def int4_tiled_dequantize(
