@@ -32,8 +32,10 @@ log = logging.getLogger(__name__)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 GEMV_MAX_ROWS = 8  # above this many rows (prefill), dequantize + matmul wins over a GEMV kernel
-# The bit at which the tiled int4 GEMV reads nibble j of a word (`triton_kernels._tiled_weights`).
-TILED_NIBBLE_BITS = (0, 4, 8, 12, 16, 12, 16, 16)
+# The bit at which the tiled int4 GEMV reads nibble j of a word (`triton_kernels._tiled_nibble`), and the
+# power of two by which it scales activations read at bit 0: 2^(TILED_X_EXP - P) at bit P.
+TILED_NIBBLE_BITS = (0, 4, 8, 12, 16, 20, 16, 20)
+TILED_X_EXP = 79
 
 
 def int8_linear_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -61,13 +63,13 @@ def _tiled_bits(per_group: torch.Tensor) -> torch.Tensor:
 
 def int4_subnormal_scales(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """(scales, mins) (N, K/g) of w = q*s + min -> int32 (N, K/g), the factors of the subnormal int4 GEMV
-    (`triton_kernels.int4_tiled_gemv`) as two bf16 in one word (bf16's exponent range holds them): s * 2^100 in
-    the high half, min * 2^(P - 49) in the low, P the bit position at which the kernel reads the group's codes
-    (4j for nibble j <= 4 of the tiled layout, then 12, 16, 16). Scaled by powers of two, the two are exactly
-    s and min rounded to bf16."""
+    (`triton_kernels.int4_tiled_gemv`) as two bf16 in one word (bf16's exponent range holds them): s * 2^70 in
+    the high half, min * 2^(P - 79) in the low, P the bit position at which the kernel reads the group's codes
+    (`TILED_NIBBLE_BITS`; 70 = 149 - `TILED_X_EXP`). Scaled by powers of two, the two are exactly s and min
+    rounded to bf16."""
     p = _tiled_bits(scales)
-    s = (scales.to(torch.bfloat16).float() * 2.0**100).to(torch.bfloat16)
-    z = (mins.to(torch.bfloat16).float() * torch.exp2((p - 49).float())).to(torch.bfloat16)
+    s = (scales.to(torch.bfloat16).float() * 2.0 ** (149 - TILED_X_EXP)).to(torch.bfloat16)
+    z = (mins.to(torch.bfloat16).float() * torch.exp2((p - TILED_X_EXP).float())).to(torch.bfloat16)
     hi = s.view(torch.int16).to(torch.int32) << 16
     lo = z.view(torch.int16).to(torch.int32) & 0xFFFF
     return hi | lo
@@ -213,8 +215,8 @@ def int4_tiled_dequantize(words: torch.Tensor, sz: torch.Tensor, group_size: int
     N = words.shape[0]
     codes = int4_untile(words, group_size).reshape(N, -1, group_size).float()  # (N, K/g, g)
     p = _tiled_bits(sz)
-    s = (sz & -65536).view(torch.float32) * 2.0**-100
-    z = (sz << 16).view(torch.float32) * torch.exp2((49 - p).float())
+    s = (sz & -65536).view(torch.float32) * 2.0 ** (TILED_X_EXP - 149)
+    z = (sz << 16).view(torch.float32) * torch.exp2((TILED_X_EXP - p).float())
     return (codes * s[..., None] + z[..., None]).reshape(N, -1)
 
 

@@ -186,10 +186,10 @@ class Int4WeightOnlyLinear(QuantLinear):
           of fewer than TILED_MIN_ROWS outputs, which it reads fastest at one row on an H200 and serves at
           prefill with tensor cores.
         - "tiled": Ember's tiled GEMV (`ember.quant.kernels.int4_tiled_linear`; codes read as subnormal floats)
-          on CUDA for one row of wide projections (Llama-3-8B's gate/up 28.8 vs 33.3 us, its output 117 vs
-          140 us; BENCHMARKS.md), and for other dtypes. Being a GEMV, it reads the weights once per row; so
-          where tinygemm can run, its layout is kept too (a second copy of these codes) and serves two rows
-          or more (prefill, batched decoding), else those dequantize in one Triton pass for torch's matmul.
+          on CUDA for wide projections (Llama-3-8B's gate/up 26.1 vs 33.8 us; BENCHMARKS.md) and for other
+          dtypes; more than a few rows (prefill) dequantize in one Triton pass for torch's matmul. Keeping
+          tinygemm's layout too for those was measured worse on an H200: time to first token 72 vs 42 ms on
+          Llama-3-8B (128 tokens), and a second copy of the codes (+1.9 GB peak).
         - "triton": Ember's canonical-layout GEMV where K does not split into tiles of 8 groups.
         """
         dev = self.qweight.device
@@ -202,8 +202,7 @@ class Int4WeightOnlyLinear(QuantLinear):
             self._kernel = "tiled"
         else:
             self._kernel = "tinygemm" if cuda_ok else "triton"
-        self._tinygemm = dev.type == "cpu" or cuda_ok
-        if self._tinygemm:
+        if self._kernel == "tinygemm":
             codes = unpack_nibbles(self.qweight)
             if dev.type == "cpu":
                 packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
@@ -214,7 +213,7 @@ class Int4WeightOnlyLinear(QuantLinear):
             sz = torch.stack((self.scales, self.mins + 8 * self.scales), dim=-1).transpose(0, 1)
             self.register_buffer("_packed", packed, persistent=False)
             self.register_buffer("_sz", sz.contiguous().to(torch.bfloat16), persistent=False)
-        if self._kernel == "tiled":
+        elif self._kernel == "tiled":
             self.register_buffer("_words", kernels.int4_tile(self.qweight, self.group_size), persistent=False)
             self.register_buffer(
                 "_tsz", kernels.int4_subnormal_scales(self.scales, self.mins), persistent=False
@@ -236,9 +235,9 @@ class Int4WeightOnlyLinear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, K)
-        if self._kernel == "tiled" and (x2.shape[0] == 1 or not self._tinygemm):
+        if self._kernel == "tiled":
             y = kernels.int4_tiled_linear(x2, self._words, self._tsz, self.group_size)
-        elif self._tinygemm:
+        elif self._kernel == "tinygemm":
             # bf16 activations: the only dtype of the CUDA kernel, and the CPU kernel's float32 path is not
             # vectorised (measured ~60x slower on AVX-512).
             mm = (

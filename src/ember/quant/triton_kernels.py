@@ -12,9 +12,9 @@ reduced once at the end. What keeps them near the limit on an H100/H200-class GP
   of a float with a fixed exponent instead: for int8, bits(2^23) + 128 + q is the float 2^23 + 128 + q, so
   one byte permute (`prmt`, on a GPU) and one float subtract give q exactly. For int4 in the tiled layout
   (`ember.quant.kernels.int4_tile`, the CUDA path) the masked nibble, left where it lies in its word, is
-  read as the subnormal float q * 2^(P - 149); one FMA with factors scaled by powers of two gives the
-  weight times 2^(P - 49), exactly, and x scaled the other way undoes it (`_int4_tiled_gemv_kernel`): one
-  AND and two FMAs per weight. In the canonical layout the nibble placed in the top mantissa bits of 1.0
+  read as the subnormal float q * 2^(P - 149); with x scaled by a power of two, a thread sums q * x over its
+  8 weights of a group with FMAs and applies the group's scale and min once (`_int4_tiled_gemv_kernel`):
+  one AND and one FMA per weight. In the canonical layout the nibble placed in the top mantissa bits of 1.0
   gives 1 + q/16, with scales folded by `ember.quant.kernels.int4_fold_scales`.
 - Activations are loaded in the weight tile's shape, every row the same x (served from L1), so each thread
   gets the x values of the weights it holds; a vector of x broadcast over the rows cost a trip through
@@ -38,6 +38,9 @@ import triton
 import triton.language as tl
 
 from ember.ops.launch import launch_options
+from ember.quant.kernels import TILED_X_EXP
+
+X_EXP = tl.constexpr(TILED_X_EXP)
 
 
 def int8_magic() -> int:
@@ -269,25 +272,54 @@ def _int4_gemv_kernel(
 
 
 @triton.jit
-def _tiled_weights(words, sz, j: tl.constexpr):
-    # The weights at nibble j of each word, times 2^(P - 49), and 2^(49 - P), the factor that undoes it; P is
-    # the bit at which the nibble is read (`kernels.TILED_NIBBLE_BITS`). sz: the rows' factors of group j
-    # (`kernels.int4_subnormal_scales`; bf16 -> float32 is a move to the high half).
-    if j <= 4:  # bits 4j..4j+3: P = 4j
+def _tiled_nibble(words, j: tl.constexpr):
+    # Nibble j of each word read as the float q * 2^(P - 149), P its bit (`kernels.TILED_NIBBLE_BITS`), and
+    # 2^(X_EXP - P), the factor for the activations it multiplies. Masked where it lies, a nibble at bits
+    # P..P+3 with P + 3 <= 23 reads as that number: bits below 2^23 are the subnormal floats, and from 2^23
+    # the first binade of normal floats continues the same step (2^-149). The top two nibbles are shifted
+    # right by 8 first (one shift per word) to bits 16 and 20.
+    if j <= 5:
         bits = words & (0xF << (4 * j))
-        xs = 2.0 ** (49 - 4 * j)
-    elif j == 5:  # bits 20..23 -> 12..15
-        bits = (words >> 8) & 0xF000
-        xs = 2.0**37
-    elif j == 6:  # bits 24..27 -> 16..19
+        xs = 2.0 ** (X_EXP - 4 * j)
+    elif j == 6:
         bits = (words >> 8) & 0xF0000
-        xs = 2.0**33
-    else:  # bits 28..31 -> 16..19
-        bits = (words >> 12) & 0xF0000
-        xs = 2.0**33
-    s = (sz & -65536).to(tl.float32, bitcast=True)
-    z = (sz << 16).to(tl.float32, bitcast=True)
-    return bits.to(tl.float32, bitcast=True) * s[:, None] + z[:, None], xs
+        xs = 2.0 ** (X_EXP - 16)
+    else:
+        bits = (words >> 8) & 0xF00000
+        xs = 2.0 ** (X_EXP - 20)
+    return bits.to(tl.float32, bitcast=True), xs
+
+
+@triton.jit
+def _factors(sz):
+    # The rows' packed factors of one group (`kernels.int4_subnormal_scales`) -> s * 2^(149 - X_EXP) and
+    # min * 2^(P - X_EXP) as float32 (bf16 -> float32 is a move to the high half).
+    return (sz & -65536).to(tl.float32, bitcast=True), (sz << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot_last8(a, b):
+    # sum(a * b) over the last axis, of size 8 and held by one thread (the words' layout), as one multiply and
+    # seven FMAs: tl.sum would multiply and add separately.
+    shape: tl.constexpr = a.shape[:-1]
+    a0, a1 = tl.split(tl.reshape(a, shape + [4, 2]))
+    b0, b1 = tl.split(tl.reshape(b, shape + [4, 2]))
+    a00, a01 = tl.split(tl.reshape(a0, shape + [2, 2]))
+    a10, a11 = tl.split(tl.reshape(a1, shape + [2, 2]))
+    b00, b01 = tl.split(tl.reshape(b0, shape + [2, 2]))
+    b10, b11 = tl.split(tl.reshape(b1, shape + [2, 2]))
+    u, v = tl.split(a00)
+    x, y = tl.split(b00)
+    acc = tl.fma(v, y, u * x)
+    u, v = tl.split(a01)
+    x, y = tl.split(b01)
+    acc = tl.fma(v, y, tl.fma(u, x, acc))
+    u, v = tl.split(a10)
+    x, y = tl.split(b10)
+    acc = tl.fma(v, y, tl.fma(u, x, acc))
+    u, v = tl.split(a11)
+    x, y = tl.split(b11)
+    return tl.fma(v, y, tl.fma(u, x, acc))
 
 
 @triton.jit
@@ -303,39 +335,46 @@ def _int4_tiled_gemv_kernel(
     PDL: tl.constexpr = False,
 ):
     # w: int32 (N, K/8) in the tiled layout of `kernels.int4_tile` (nibble j of word i of tile t: weight
-    # k = 8g*t + g*j + i). sz: int32 (N, K/g) from `kernels.int4_subnormal_scales`, two bf16 in one word (one
-    # load): s * 2^100 in the high half and, for the group at nibble position j, min * 2^(P_j - 49) in the low.
-    # A code is never shifted to the top of a mantissa: masked where it lies (or shifted right by 8 or 12 bits
-    # for the top three nibbles, two shifts per word), the bits read as a float are the subnormal number
-    # q * 2^(P_j - 149), P_j = its bit position. One FMA makes the weight scaled by 2^(P_j - 49), exactly
-    # (an FMA rounds once, after an exact product, also of a subnormal), and x, scaled by 2^(49 - P_j) once per
-    # element, undoes the factor. So a weight costs one AND and two FMAs, where placing the nibble in the
-    # mantissa of 1.0 cost a shift, a mask and an OR with a second constant that the compiler re-materialises
-    # (7.8 instructions per weight in all, measured with ncu; ALU-bound at a third of the memory's bandwidth).
-    # It needs FMAs that keep subnormal inputs (Triton emits fma.rn.f32, not .ftz; `benchmarks/gpu_gemv.py
-    # --check` runs it on the GPU) and holds for |x| < 2^79, scales < 2^27 and weights above 2^-77 in size.
+    # k = 8g*t + g*j + i, so nibble j of a tile's g words is group 8t + j). sz: int32 (N, K/g) from
+    # `kernels.int4_subnormal_scales`: s * 2^(149 - X_EXP) and min * 2^(P_j - X_EXP) as two bf16 (one load).
+    # A code is never moved into a mantissa: masked where it lies, its bits read as a float are
+    # q * 2^(P_j - 149) (`_tiled_nibble`). With x scaled by 2^(X_EXP - P_j) (once per element, shared by the
+    # thread's rows), a thread's 8 consecutive words of a row give, per nibble, 2^(X_EXP - 149) sum(q x) over
+    # 8 weights of one group in 1 multiply + 7 FMAs; then acc += that * s + min * sum(x): per weight one AND
+    # and one FMA (an eighth of a shift; the factors, the x scaling and sum(x) are per 8 weights or fewer).
+    # Exact up to float32 rounding of the sums; needs FMAs that keep subnormal inputs (Triton emits
+    # fma.rn.f32, not .ftz; `benchmarks/gpu_gemv.py --check` runs it on the GPU), |x| < 2^48, and loses
+    # precision only where |q x| < 2^-56. The previous form (two FMAs per weight: the weight, then w * x)
+    # counted 5.3 instructions per weight in the sm90 SASS, this one 4.0 at 8 rows per thread.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     m = tl.program_id(1)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.where(rn < N, rn, 0).to(tl.int64)  # rows past N read row 0 and are not stored
+    C: tl.constexpr = 8  # consecutive words per thread and row (32 bytes: the layout Triton gives the load)
     ri = tl.arange(0, GROUP)
     KW: tl.constexpr = K // 8
     G: tl.constexpr = K // GROUP
     w_ptrs = w_ptr + rows[:, None] * KW + ri[None, :]
+    # x in the tile's shape (every row the same activations): loaded so, x lands in the registers of the
+    # words it multiplies, and the compiler loads and scales it once per thread for all of its rows.
     x_ptrs = x_ptr + m * K + (rows * 0)[:, None] + ri[None, :]
     sz_ptrs = sz_ptr + rows * G
-    acc = tl.zeros((BLOCK_N, GROUP), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, GROUP // C), dtype=tl.float32)
     T: tl.constexpr = K // (8 * GROUP)  # tiles per row
-    words = tl.load(w_ptrs)  # (BLOCK_N, GROUP) int32, tile 0
+    words = tl.load(w_ptrs)  # (BLOCK_N, g) int32, tile 0
     if PDL:
         tl.extra.cuda.gdc_wait()
     for t in range(0, T):
         # The next tile's words are in flight while this one is unpacked (none after the last).
         nxt = tl.load(w_ptrs + GROUP, mask=(ri[None, :] * 0 + t + 1) < T, other=0)
         for j in tl.static_range(8):
-            w, xs = _tiled_weights(words, tl.load(sz_ptrs + j), j)
-            acc += w * (tl.load(x_ptrs + j * GROUP).to(tl.float32) * xs)
+            bits, xs = _tiled_nibble(words, j)
+            xj = tl.load(x_ptrs + j * GROUP).to(tl.float32) * xs
+            xj = tl.reshape(xj, (BLOCK_N, GROUP // C, C))
+            part = _dot_last8(tl.reshape(bits, (BLOCK_N, GROUP // C, C)), xj)
+            s, z = _factors(tl.load(sz_ptrs + j))
+            acc += part * s[:, None] + z[:, None] * tl.sum(xj, axis=2)
         words = nxt
         w_ptrs += GROUP
         x_ptrs += 8 * GROUP
@@ -346,7 +385,7 @@ def _int4_tiled_gemv_kernel(
 
 TILED_CONFIGS = [  # (BLOCK_N, warps): the best few per Llama-3-8B shape in benchmarks/gpu_gemv.py
     triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=1)
-    for bn, w in [(16, 2), (32, 4), (64, 8), (32, 8), (8, 2)]
+    for bn, w in [(64, 4), (32, 4), (32, 2), (128, 8), (16, 2), (64, 8)]
 ]
 _float_tuned = triton.autotune(configs=FLOAT_CONFIGS, key=["N", "K"])(
     triton.heuristics(_HEURISTICS)(_gemv_kernel)
@@ -448,7 +487,9 @@ def _int4_tiled_dequant_kernel(
     out_ptrs = out_ptr + rows[:, None] * K + t * 8 * GROUP + ri[None, :]
     ok = (rn < N)[:, None]
     for j in tl.static_range(8):
-        w, xs = _tiled_weights(words, tl.load(sz_ptr + rows * G + t * 8 + j), j)
+        bits, xs = _tiled_nibble(words, j)
+        s, z = _factors(tl.load(sz_ptr + rows * G + t * 8 + j))
+        w = bits * s[:, None] + z[:, None]  # w * 2^(P - X_EXP), exactly: one rounding, after an exact product
         tl.store(out_ptrs + j * GROUP, (w * xs).to(out_ptr.dtype.element_ty), mask=ok)
 
 
