@@ -72,11 +72,14 @@ def read_bandwidth() -> tuple[float, float]:
 
 def weights_for(kind: str, N: int, K: int, copies: int):
     """A list of `copies` weight tuples for kernel kind, and the bytes one call reads."""
-    from torch import nn
 
-    from ember.quant import QuantSpec
     from ember.quant.kernels import int4_fold_scales, int4_subnormal_scales, int4_tile
-    from ember.quant.linear import pack_nibbles, quantize_int4_grouped, quantize_int8_per_channel
+    from ember.quant.linear import (
+        pack_nibbles,
+        quantize_int4_grouped,
+        quantize_int8_per_channel,
+        tinygemm_layout,
+    )
 
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
     if kind == "bf16":
@@ -90,13 +93,9 @@ def weights_for(kind: str, N: int, K: int, copies: int):
     elif kind == "int4":
         codes, sc, mn = quantize_int4_grouped(w, GROUP)
         one = (pack_nibbles(codes), *int4_fold_scales(sc, mn, torch.bfloat16))
-    elif kind == "tinygemm":  # Ember's int4 module builds torch's layout for bf16 on CUDA
-        linear = nn.Linear(K, N, bias=False, device="meta")
-        linear.weight = nn.Parameter(w, requires_grad=False)
-        module = QuantSpec.parse(f"int4-g{GROUP}").make(linear)
-        module.prepare()
-        assert module._tinygemm
-        one = (module._packed, module._sz)
+    elif kind == "tinygemm":  # torch's layout, as Ember's int4 module builds it where it picks tinygemm
+        codes, sc, mn = quantize_int4_grouped(w, GROUP)
+        one = tinygemm_layout(pack_nibbles(codes), sc, mn)
     nbytes = sum(t.numel() * t.element_size() for t in one)
     return [one] + [tuple(t.clone() for t in one) for _ in range(copies - 1)], nbytes
 
@@ -112,8 +111,9 @@ def kernel_calls(kind: str, x: torch.Tensor, ws, config: dict | None):
         return lambda i: tk.int8_gemv(x, *ws[i % len(ws)], blocks=config)
     if kind == "int4":
         return lambda i: tk.int4_gemv(x, *ws[i % len(ws)], GROUP, blocks=config)
-    if kind == "int4t":
-        return lambda i: tk.int4_tiled_gemv(x, *ws[i % len(ws)], GROUP, blocks=config)
+    if kind == "int4t":  # {"auto": True}: what the op picks (autotuned tiles, or a split)
+        blocks = None if config and config.get("auto") else config
+        return lambda i: tk.int4_tiled_gemv(x, *ws[i % len(ws)], GROUP, blocks=blocks)
     if kind == "tinygemm":
         return lambda i: torch.ops.aten._weight_int4pack_mm(x, ws[i % len(ws)][0], GROUP, ws[i % len(ws)][1])
     raise ValueError(kind)
@@ -121,10 +121,18 @@ def kernel_calls(kind: str, x: torch.Tensor, ws, config: dict | None):
 
 def configs_for(kind: str) -> list[dict]:
     if kind == "int4t":  # one group per nibble position: the tile is (BLOCK_N, GROUP) words
-        return [
-            {"BLOCK_N": bn, "num_warps": w, "num_stages": 1}
-            for bn, w in [(16, 2), (32, 2), (16, 4), (32, 4), (64, 4), (64, 8), (128, 8)]
-        ]
+        return (
+            [
+                {"BLOCK_N": bn, "num_warps": w, "num_stages": 1}
+                for bn, w in [(16, 2), (32, 2), (16, 4), (32, 4), (64, 4), (64, 8), (128, 8)]
+            ]
+            + [  # K split into runs of tiles (a divisor of the row's tiles; others fail and are skipped)
+                {"BLOCK_N": bn, "num_warps": w, "num_stages": 1, "SPLIT": split}
+                for bn, w in [(16, 4), (16, 2), (32, 4), (64, 8)]
+                for split in (2, 4, 7)
+            ]
+            + [{"auto": True}]
+        )
     out = []
     for (bn, bk), w, s in itertools.product(TILES, WARPS, STAGES):
         if kind == "int4" and bk < GROUP:
@@ -246,14 +254,17 @@ def check_int4_tiled() -> None:
         for amp in (1.0, 3e4, 1e-6, 0.0):
             x = (torch.randn(1, K, device="cuda") * amp).to(torch.bfloat16)
             want = x.float() @ w.T
-            for bn, nw in [(8, 2), (16, 4), (32, 4), (32, 8), (64, 8)]:
-                got = tk.int4_tiled_gemv(x, words, sz, g, blocks={"BLOCK_N": bn, "num_warps": nw}).float()
+            tiles = K // (8 * g)
+            variants = [{"BLOCK_N": bn, "num_warps": nw} for bn, nw in [(16, 2), (16, 4), (32, 4), (64, 8)]]
+            variants += [{"BLOCK_N": 16, "num_warps": 4, "SPLIT": d} for d in (2, 7) if tiles % d == 0]
+            for blocks in variants + [None]:  # None: what the op picks
+                got = tk.int4_tiled_gemv(x, words, sz, g, blocks=blocks).float()
                 if amp == 0.0:
-                    assert bool((got == 0).all()), (N, K, g, bn, nw)
+                    assert bool((got == 0).all()), (N, K, g, blocks)
                     continue
                 err = float((got - want).norm() / want.norm())
                 worst = max(worst, err)
-                assert err < 1e-2, (N, K, g, amp, bn, nw, err)
+                assert err < 1e-2, (N, K, g, amp, blocks, err)
     print(
         f"check int4 tiled GEMV: worst relative error {worst:.2e} (x of size 1, 3e4, 1e-6; 0 exact)",
         flush=True,

@@ -93,14 +93,31 @@ def test_triton_gemv_kernels_match_float_math_in_interpreter(K, block_k):
             words, sz = int4_tile(pack_nibbles(codes), group), int4_subnormal_scales(sc, mn)
             bf = sc.to(torch.bfloat16).float(), mn.to(torch.bfloat16).float()  # the factors are bf16
             want = x @ dequantized_int4(codes, *bf, group).T
-            for xs in (1.0, 3e4, 1e-6):  # codes read as subnormals, x and weights scaled by up to 2^49
+            for xs in (1.0, 3e4, 1e-6):  # codes read as subnormals, x scaled by up to 2^79
                 y4 = tk.int4_tiled_gemv(x * xs, words, sz, group, blocks=dict(BLOCK_N=16))
                 assert rel_err(y4, want * xs) < 1e-5
+            for split in (2, 4):  # K cut into runs of tiles, float32 partials added by a second kernel
+                if (K // (8 * group)) % split == 0:
+                    y4 = tk.int4_tiled_gemv(x, words, sz, group, blocks=dict(BLOCK_N=16, SPLIT=split))
+                    assert rel_err(y4, want) < 1e-5
+            if tk.tiled_split(40, K, group, 16, rows=2) > 1:  # picked by the op itself (fixed tiles)
+                assert rel_err(tk.int4_tiled_gemv(x, words, sz, group), want) < 1e-5
             assert torch.equal(
                 tk.int4_tiled_gemv(x * 0, words, sz, group, blocks=dict(BLOCK_N=16)), x.new_zeros(2, 40)
             )
             w_tk = tk.int4_tiled_dequantize(words, sz, group, torch.float32)  # the prefill path's weights
             assert torch.equal(w_tk, dequantized_int4(codes, *bf, group))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_tiled_int4_gemv_splits_k_only_where_programs_are_few():
+    from ember.quant.triton_kernels import tiled_split
+
+    # Llama-3-8B's projections at 16 rows per program, group 128: (N, K) -> runs of tiles per row
+    shapes = {(6144, 4096): 4, (4096, 4096): 4, (28672, 4096): 1, (4096, 14336): 7, (128256, 4096): 1}
+    for (N, K), want in shapes.items():
+        assert tiled_split(N, K, 128, 16) == want, (N, K)
+    assert tiled_split(4096, 4096, 128, 16, rows=8) == 1  # eight rows: programs enough
 
 
 def test_int4_tiled_layout_round_trips_and_feeds_the_op():

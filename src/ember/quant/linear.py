@@ -136,9 +136,21 @@ class Int8WeightOnlyLinear(QuantLinear):
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
 
 
-# Output features from which a bf16 int4 projection on CUDA takes Ember's tiled GEMV over torch's tinygemm:
-# measured on an H200 at Llama-3-8B's shapes, faster at 28672 and 128256 rows, even at 6144, slower at 4096.
-TILED_MIN_ROWS = 8192
+def tinygemm_layout(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, inner_tiles: int = 8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical int4 codes (N, K/2) and their (N, K/g) scales and mins -> the packed codes and bf16 (K/g, N, 2)
+    scale/zero pairs of torch's int4 kernels (`_weight_int4pack_mm` on CUDA, `..._for_cpu` on a CPU), on the
+    codes' device. `inner_tiles`: CUDA's packing parameter (K a multiple of 16 * inner_tiles)."""
+    codes = unpack_nibbles(qweight)
+    if qweight.device.type == "cpu":
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    else:  # CUDA packs (N, K/2) bytes with the even k in the high nibble
+        hi_even = (codes[:, 0::2] << 4 | codes[:, 1::2]).contiguous()
+        packed = torch.ops.aten._convert_weight_to_int4pack(hi_even, inner_tiles)
+    # tinygemm's grid is w = (q - 8) * scale + zero, so zero = min + 8 * scale; layout (K/g, N, 2).
+    sz = torch.stack((scales, mins + 8 * scales), dim=-1).transpose(0, 1)
+    return packed, sz.contiguous().to(torch.bfloat16)
 
 
 class Int4WeightOnlyLinear(QuantLinear):
@@ -182,43 +194,35 @@ class Int4WeightOnlyLinear(QuantLinear):
         """Picks the kernel for this device, dtype and shape and builds its layout (a second copy of the codes;
         the canonical one stays the state dict):
 
-        - "tinygemm": torch's int4 kernels (`_weight_int4pack_mm*`), on CPU, and on CUDA for bf16 projections
-          of fewer than TILED_MIN_ROWS outputs, which it reads fastest at one row on an H200 and serves at
-          prefill with tensor cores.
-        - "tiled": Ember's tiled GEMV (`ember.quant.kernels.int4_tiled_linear`; codes read as subnormal floats)
-          on CUDA for wide projections (Llama-3-8B's gate/up 26.1 vs 33.8 us; BENCHMARKS.md) and for other
-          dtypes; more than a few rows (prefill) dequantize in one Triton pass for torch's matmul. Keeping
-          tinygemm's layout too for those was measured worse on an H200: time to first token 72 vs 42 ms on
-          Llama-3-8B (128 tokens), and a second copy of the codes (+1.9 GB peak).
-        - "triton": Ember's canonical-layout GEMV where K does not split into tiles of 8 groups.
+        - "tiled": on CUDA where K splits into tiles of 8 groups (`kernels.int4_tiles`), Ember's tiled GEMV
+          (`ember.quant.kernels.int4_tiled_linear`; codes read as subnormal floats, K split where N is small);
+          more than a few rows (prefill) dequantize in one Triton pass for torch's matmul. On an H200 it reads
+          every Llama-3-8B projection at one row as fast as torch's tinygemm or faster (gate/up 26.2 vs 33.8
+          us, down 16.1 vs 19.0) and the compiled int4 step decodes 401 tok/s against 362 with tinygemm for
+          the narrow projections, at the same time to first token (BENCHMARKS.md).
+        - "tinygemm": torch's int4 kernels (`_weight_int4pack_mm*`, `tinygemm_layout`), on CPU, and on CUDA
+          for bf16 projections that do not tile.
+        - "triton": Ember's canonical-layout GEMV for the rest.
         """
         dev = self.qweight.device
-        tiles = next((t for t in (8, 4, 2) if self.in_features % (16 * t) == 0), None)
-        cuda_ok = self.dtype == torch.bfloat16 and self.out_features % 8 == 0 and tiles is not None
-        tiled = kernels.int4_tiles(self.in_features, self.group_size)
+        inner = next((t for t in (8, 4, 2) if self.in_features % (16 * t) == 0), None)
+        cuda_ok = self.dtype == torch.bfloat16 and self.out_features % 8 == 0 and inner is not None
         if dev.type == "cpu":
             self._kernel = "tinygemm"
-        elif tiled and (not cuda_ok or self.out_features >= TILED_MIN_ROWS):
+        elif kernels.int4_tiles(self.in_features, self.group_size):
             self._kernel = "tiled"
         else:
             self._kernel = "tinygemm" if cuda_ok else "triton"
         if self._kernel == "tinygemm":
-            codes = unpack_nibbles(self.qweight)
-            if dev.type == "cpu":
-                packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-            else:  # CUDA packs (N, K/2) bytes with the even k in the high nibble
-                hi_even = (codes[:, 0::2] << 4 | codes[:, 1::2]).contiguous()
-                packed = torch.ops.aten._convert_weight_to_int4pack(hi_even, tiles)
-            # tinygemm's grid is w = (q - 8) * scale + zero, so zero = min + 8 * scale; layout (K/g, N, 2).
-            sz = torch.stack((self.scales, self.mins + 8 * self.scales), dim=-1).transpose(0, 1)
+            packed, sz = tinygemm_layout(self.qweight, self.scales, self.mins, inner or 8)
             self.register_buffer("_packed", packed, persistent=False)
-            self.register_buffer("_sz", sz.contiguous().to(torch.bfloat16), persistent=False)
+            self.register_buffer("_sz", sz, persistent=False)
         elif self._kernel == "tiled":
             self.register_buffer("_words", kernels.int4_tile(self.qweight, self.group_size), persistent=False)
             self.register_buffer(
                 "_tsz", kernels.int4_subnormal_scales(self.scales, self.mins), persistent=False
             )
-        elif self._kernel == "triton":
+        else:
             s16, z16 = kernels.int4_fold_scales(self.scales, self.mins, self.dtype)
             self.register_buffer("_s16", s16, persistent=False)
             self.register_buffer("_z16", z16, persistent=False)

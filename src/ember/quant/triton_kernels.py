@@ -332,8 +332,11 @@ def _int4_tiled_gemv_kernel(
     K: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
+    # SPLIT > 1: program (n block, m, s) reads the s-th of SPLIT equal runs of tiles and stores its float32
+    # partial sums in y (SPLIT, M, N), which `_sum_splits_kernel` adds up.
     # w: int32 (N, K/8) in the tiled layout of `kernels.int4_tile` (nibble j of word i of tile t: weight
     # k = 8g*t + g*j + i, so nibble j of a tile's g words is group 8t + j). sz: int32 (N, K/g) from
     # `kernels.int4_subnormal_scales`: s * 2^(149 - X_EXP) and min * 2^(P_j - X_EXP) as two bf16 (one load).
@@ -361,8 +364,12 @@ def _int4_tiled_gemv_kernel(
     x_ptrs = x_ptr + m * K + (rows * 0)[:, None] + ri[None, :]
     sz_ptrs = sz_ptr + rows * G
     acc = tl.zeros((BLOCK_N, GROUP // C), dtype=tl.float32)
-    T: tl.constexpr = K // (8 * GROUP)  # tiles per row
-    words = tl.load(w_ptrs)  # (BLOCK_N, g) int32, tile 0
+    T: tl.constexpr = K // (8 * GROUP) // SPLIT  # tiles per program (SPLIT divides the row's tiles)
+    t0 = tl.program_id(2) * T
+    w_ptrs += t0 * GROUP
+    x_ptrs += t0 * 8 * GROUP
+    sz_ptrs += t0 * 8
+    words = tl.load(w_ptrs)  # (BLOCK_N, g) int32, the first tile
     if PDL:
         tl.extra.cuda.gdc_wait()
     for t in range(0, T):
@@ -380,9 +387,37 @@ def _int4_tiled_gemv_kernel(
         x_ptrs += 8 * GROUP
         sz_ptrs += 8
     out = tl.sum(acc, axis=1)
+    y_ptr += tl.program_id(2) * tl.num_programs(1) * N
     tl.store(y_ptr + m * N + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
+@triton.jit
+def _sum_splits_kernel(
+    part_ptr, y_ptr, MN, SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False
+):
+    # y (M, N) = the sum over s of part (SPLIT, M, N), float32, in y's dtype.
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = r < MN
+    acc = tl.load(part_ptr + r, mask=ok, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part_ptr + s * MN + r, mask=ok, other=0.0)
+    tl.store(y_ptr + r, acc.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def tiled_split(N: int, K: int, group_size: int, block_n: int, rows: int = 1) -> int:
+    """How many runs of tiles the tiled int4 GEMV cuts each row's K into: the largest divisor of the row's
+    tiles that keeps the programs at most TILED_PROGRAMS. A program walks its tiles one after another, and
+    where N is small (4096 outputs: 256 programs of 16 rows for 132 multiprocessors) too few warps are in
+    flight to hide the latency of each tile; a split adds a pass that sums float32 partials."""
+    tiles, blocks = K // (8 * group_size), triton.cdiv(N, block_n) * rows
+    return max(d for d in range(1, tiles + 1) if tiles % d == 0 and (d == 1 or blocks * d <= TILED_PROGRAMS))
+
+
+TILED_PROGRAMS = 2048
+TILED_SPLIT_BLOCKS = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 TILED_CONFIGS = [  # (BLOCK_N, warps): the best few per Llama-3-8B shape in benchmarks/gpu_gemv.py
     triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=1)
     for bn, w in [(64, 4), (32, 4), (32, 2), (128, 8), (16, 2), (64, 8)]
@@ -511,14 +546,29 @@ def int4_tiled_gemv(
     x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, blocks: dict | None = None
 ) -> torch.Tensor:
     """x (M, K) contiguous, words int32 (N, K/8) from `kernels.int4_tile`, sz int32 (N, K/g) from
-    `kernels.int4_subnormal_scales` -> (M, N)."""
+    `kernels.int4_subnormal_scales` -> (M, N).
+
+    Where N gives few programs, K is split (`tiled_split`) and a second kernel adds the partial sums; those
+    launches take fixed tiles (TILED_SPLIT_BLOCKS) instead of the autotuned ones. `blocks` (tile, warps and
+    SPLIT, for benchmarks) fixes them all."""
     M, K = x.shape
     N = words.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), M)  # noqa: E731
-    args = (x, words, sz, y, N, K)
+    opts = launch_options(x.device)
     if blocks is None:
-        _int4_tiled_tuned[grid](*args, GROUP=group_size, **launch_options(x.device))
-    else:
-        _int4_tiled_gemv_kernel[grid](*args, GROUP=group_size, **{**launch_options(x.device), **blocks})
+        split = tiled_split(N, K, group_size, TILED_SPLIT_BLOCKS["BLOCK_N"], M)
+        if split == 1:
+            grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), M, 1)  # noqa: E731
+            _int4_tiled_tuned[grid](x, words, sz, y, N, K, GROUP=group_size, **opts)
+            return y
+        blocks = {**TILED_SPLIT_BLOCKS, "SPLIT": split}
+    split = blocks.get("SPLIT", 1)
+    if (K // (8 * group_size)) % split:
+        raise ValueError(f"SPLIT={split} does not divide the {K // (8 * group_size)} tiles of a row")
+    out = y if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(N, blocks["BLOCK_N"]), M, split)
+    _int4_tiled_gemv_kernel[grid](x, words, sz, out, N, K, GROUP=group_size, **{**opts, **blocks})
+    if split > 1:
+        BLOCK = 1024
+        _sum_splits_kernel[(triton.cdiv(M * N, BLOCK),)](out, y, M * N, SPLIT=split, BLOCK=BLOCK, **opts)
     return y
