@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ember.engine.inductor_compat import cheap_fallback_messages
 from ember.engine.kv_cache import StaticKVCache
 from ember.engine.sampler import SamplingParams, SamplingTensors, apply_penalties, make_generator, sample
 from ember.errors import ContextLengthError
@@ -141,6 +142,8 @@ class Generator:
         self._try_aoti = compile and device.type == "cpu" and os.environ.get("EMBER_AOTI", "1") != "0"
         self._decode: StepFn = self._forward
         self._prefill: StepFn = self._forward
+        if compile or compile_prefill:
+            cheap_fallback_messages()  # older inductors format a message that can take minutes
         if compile:
             # CUDA graphs remove the launch overhead of a few hundred small kernels per step; on CPU
             # inductor's C++ kernels fuse the elementwise work between the matmuls.
