@@ -19,6 +19,9 @@ reduced once at the end. What keeps them near the limit on an H100/H200-class GP
 - Activations are loaded in the weight tile's shape, every row the same x (served from L1), so each thread
   gets the x values of the weights it holds; a vector of x broadcast over the rows cost a trip through
   shared memory and two barriers per loop step (seen in the SASS; int8 gate/up 33.4 -> 30.3 us).
+- With several rows of activations (batched decoding), the programs that read one block of weights for
+  different rows are consecutive in the grid (`_row_and_features`), so rows after the first mostly find
+  those weights in L2 instead of reading them from memory again.
 - Launched with programmatic dependent launch on Hopper (`ember.ops.launch`): a program loads its first
   weight tile before waiting for the kernel before it to finish.
 
@@ -75,6 +78,15 @@ def _prune_int4(configs, named_args, **kwargs):
 
 
 _HEURISTICS = {"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0}
+
+
+@triton.jit
+def _row_and_features(M, BLOCK_N: tl.constexpr):
+    # Program p of a GEMV grid serves activation row p % M and output features (p // M) * BLOCK_N onwards: the
+    # M programs that read one block of weights run one after another, so rows after the first find those
+    # weights in L2 (batched decoding reads them from memory about once, not M times).
+    pid = tl.program_id(0)
+    return pid % M, (pid // M) * BLOCK_N + tl.arange(0, BLOCK_N)
 
 
 @triton.jit
@@ -164,6 +176,7 @@ def _gemv_kernel(
     s_ptr,
     y_ptr,
     N,
+    M,
     K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -180,8 +193,7 @@ def _gemv_kernel(
     # PDL (`ember.ops.launch`): the first weight tile is loaded before waiting for the kernel before.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    m = tl.program_id(1)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m, rn = _row_and_features(M, BLOCK_N)
     rows = tl.where(rn < N, rn, 0).to(tl.int64)  # rows past N read row 0 and are not stored
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * K + rk[None, :]
@@ -221,6 +233,7 @@ def _int4_gemv_kernel(
     z_ptr,
     y_ptr,
     N,
+    M,
     K: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -228,10 +241,9 @@ def _int4_gemv_kernel(
     EVEN_K: tl.constexpr,
 ):
     # w: uint8 (N, K/2), low nibble = even k; s, z: (N, K/g) folded as 16 * scale and min - 16 * scale.
-    m = tl.program_id(1)
+    m, rn = _row_and_features(M, BLOCK_N)
     BB: tl.constexpr = BLOCK_K // 2  # bytes per row per step
     NG: tl.constexpr = BLOCK_K // GROUP  # groups per row per step
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.where(rn < N, rn, 0).to(tl.int64)  # rows past N read row 0 and are not stored
     rb = tl.arange(0, BB)
     rg = tl.arange(0, NG)
@@ -329,6 +341,7 @@ def _int4_tiled_gemv_kernel(
     sz_ptr,
     y_ptr,
     N,
+    M,
     K: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -351,8 +364,7 @@ def _int4_tiled_gemv_kernel(
     # counted 5.3 instructions per weight in the sm90 SASS, this one 4.0 at 8 rows per thread.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    m = tl.program_id(1)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m, rn = _row_and_features(M, BLOCK_N)
     rows = tl.where(rn < N, rn, 0).to(tl.int64)  # rows past N read row 0 and are not stored
     C: tl.constexpr = 8  # consecutive words per thread and row (32 bytes: the layout Triton gives the load)
     ri = tl.arange(0, GROUP)
@@ -387,7 +399,7 @@ def _int4_tiled_gemv_kernel(
         x_ptrs += 8 * GROUP
         sz_ptrs += 8
     out = tl.sum(acc, axis=1)
-    y_ptr += tl.program_id(2) * tl.num_programs(1) * N
+    y_ptr += tl.program_id(2) * M * N
     tl.store(y_ptr + m * N + rn, out.to(y_ptr.dtype.element_ty), mask=rn < N)
 
 
@@ -443,7 +455,7 @@ _int4_tuned = triton.autotune(
 def _launch(tuned, plain, blocks: dict | None, M: int, N: int, K: int, args: tuple, **consts) -> None:
     """Runs the autotuned kernel, or with fixed `blocks` (tile sizes, launch options, kernel flags) the plain
     one: Triton's interpreter cannot autotune, and the sweep in benchmarks/ picks its own tiles."""
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), M)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]) * M,)  # noqa: E731
     if blocks is None:
         tuned[grid](*args, **consts)
     else:
@@ -478,7 +490,15 @@ def fused_gemv(
     (M, K), N = x.shape, weight.shape[0] // (2 if glu else 1)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     int8 = scales is not None
-    args = (x, weight, scales if int8 else weight, y, N, K)  # no scales: the weight pointer stands in, unread
+    args = (
+        x,
+        weight,
+        scales if int8 else weight,
+        y,
+        N,
+        M,
+        K,
+    )  # no scales: the weight pointer stands in, unread
     consts = {"INT8": int8, "GLU": glu, **launch_options(x.device)}
     if blocks is None or "MAGIC" not in blocks:
         consts["MAGIC"] = int8_magic() if int8 else 0
@@ -500,7 +520,7 @@ def int4_gemv(
     """x (M, K) contiguous, qweight uint8 (N, K/2), folded scales (N, K/g) (`kernels.int4_fold_scales`) -> (M, N)."""
     (M, K), N = x.shape, qweight.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    args = (x, qweight, s16, z16, y, N, K)
+    args = (x, qweight, s16, z16, y, N, M, K)
     _launch(_int4_tuned, _int4_gemv_kernel, blocks, M, N, K, args, GROUP=group_size)
     return y
 
@@ -558,16 +578,16 @@ def int4_tiled_gemv(
     if blocks is None:
         split = tiled_split(N, K, group_size, TILED_SPLIT_BLOCKS["BLOCK_N"], M)
         if split == 1:
-            grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), M, 1)  # noqa: E731
-            _int4_tiled_tuned[grid](x, words, sz, y, N, K, GROUP=group_size, **opts)
+            grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]) * M, 1, 1)  # noqa: E731
+            _int4_tiled_tuned[grid](x, words, sz, y, N, M, K, GROUP=group_size, **opts)
             return y
         blocks = {**TILED_SPLIT_BLOCKS, "SPLIT": split}
     split = blocks.get("SPLIT", 1)
     if (K // (8 * group_size)) % split:
         raise ValueError(f"SPLIT={split} does not divide the {K // (8 * group_size)} tiles of a row")
     out = y if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
-    grid = (triton.cdiv(N, blocks["BLOCK_N"]), M, split)
-    _int4_tiled_gemv_kernel[grid](x, words, sz, out, N, K, GROUP=group_size, **{**opts, **blocks})
+    grid = (triton.cdiv(N, blocks["BLOCK_N"]) * M, 1, split)
+    _int4_tiled_gemv_kernel[grid](x, words, sz, out, N, M, K, GROUP=group_size, **{**opts, **blocks})
     if split > 1:
         BLOCK = 1024
         _sum_splits_kernel[(triton.cdiv(M * N, BLOCK),)](out, y, M * N, SPLIT=split, BLOCK=BLOCK, **opts)
