@@ -8,6 +8,7 @@ them), cycling through enough weight copies to defeat the 50 MB L2, median of se
 
     python benchmarks/gpu_gemv.py                   # all kernels, all shapes
     python benchmarks/gpu_gemv.py --kinds int4 --top 5
+    python benchmarks/gpu_gemv.py --kinds int8 int4t tinygemm --rows 4   # batched decoding
 """
 
 from __future__ import annotations
@@ -149,6 +150,7 @@ def main() -> None:
     ap.add_argument("--kinds", nargs="*", default=["bf16", "int8", "int4", "int4t", "tinygemm"])
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--top", type=int, default=4, help="rows per (kind, shape) in the table")
+    ap.add_argument("--rows", type=int, default=1, help="activation rows per call (batched decoding)")
     ap.add_argument("--deadline", type=float, default=420, help="seconds; later measurements are skipped")
     ap.add_argument("--check", action="store_true", help="first check Ember's modules against float math")
     args = ap.parse_args()
@@ -176,7 +178,7 @@ def main() -> None:
                 continue
             copies = max(2, math.ceil(POOL_BYTES / nbytes))
             ws, nbytes = weights_for(kind, N, K, copies)
-            x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(args.rows, K, device="cuda", dtype=torch.bfloat16)
             compile_in_parallel(kind, x, ws, [c for c in configs if c is not None])
             for config in configs:
                 try:
