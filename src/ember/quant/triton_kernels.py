@@ -348,8 +348,8 @@ def _int4_tiled_gemv_kernel(
     SPLIT: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
-    # SPLIT > 1: program (n block, m, s) reads the s-th of SPLIT equal runs of tiles and stores its float32
-    # partial sums in y (SPLIT, M, N), which `_sum_splits_kernel` adds up.
+    # Grid (row blocks * M, 1, SPLIT) (`_row_and_features`). SPLIT > 1: program (p, 0, s) reads the s-th of
+    # SPLIT equal runs of tiles and stores float32 partial sums in y (SPLIT, M, N) for `_sum_splits_kernel`.
     # w: int32 (N, K/8) in the tiled layout of `kernels.int4_tile` (nibble j of word i of tile t: weight
     # k = 8g*t + g*j + i, so nibble j of a tile's g words is group 8t + j). sz: int32 (N, K/g) from
     # `kernels.int4_subnormal_scales`: s * 2^(149 - X_EXP) and min * 2^(P_j - X_EXP) as two bf16 (one load).
@@ -361,7 +361,8 @@ def _int4_tiled_gemv_kernel(
     # Exact up to float32 rounding of the sums; needs FMAs that keep subnormal inputs (Triton emits
     # fma.rn.f32, not .ftz; `benchmarks/gpu_gemv.py --check` runs it on the GPU), |x| < 2^48, and loses
     # precision only where |q x| < 2^-56. The previous form (two FMAs per weight: the weight, then w * x)
-    # counted 5.3 instructions per weight in the sm90 SASS, this one 4.0 at 8 rows per thread.
+    # counted 5.3 instructions per weight in the sm90 SASS (Triton 3.6), this one 4.7 at 4 rows per thread
+    # and 4.0 at 8.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     m, rn = _row_and_features(M, BLOCK_N)
@@ -419,6 +420,11 @@ def _sum_splits_kernel(
     tl.store(y_ptr + r, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+TILED_PROGRAMS = 2048  # a split stops where it would launch more programs than this (`tiled_split`)
+# The split launches' tile: the best for Llama-3-8B's o and down on an H200, 9.1 vs 8.3 us for its qkv.
+TILED_SPLIT_BLOCKS = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+
+
 def tiled_split(N: int, K: int, group_size: int, block_n: int, rows: int = 1) -> int:
     """How many runs of tiles the tiled int4 GEMV cuts each row's K into: the largest divisor of the row's
     tiles that keeps the programs at most TILED_PROGRAMS. A program walks its tiles one after another, and
@@ -428,11 +434,9 @@ def tiled_split(N: int, K: int, group_size: int, block_n: int, rows: int = 1) ->
     return max(d for d in range(1, tiles + 1) if tiles % d == 0 and (d == 1 or blocks * d <= TILED_PROGRAMS))
 
 
-TILED_PROGRAMS = 2048
-TILED_SPLIT_BLOCKS = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-TILED_CONFIGS = [  # (BLOCK_N, warps): the best few per Llama-3-8B shape in benchmarks/gpu_gemv.py
+TILED_CONFIGS = [  # (BLOCK_N, warps): the best few per Llama-3-8B shape in benchmarks/gpu_gemv.py on an H200
     triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=1)
-    for bn, w in [(64, 4), (32, 4), (32, 2), (128, 8), (16, 2), (64, 8)]
+    for bn, w in [(16, 4), (16, 2), (32, 4), (64, 8)]
 ]
 _float_tuned = triton.autotune(configs=FLOAT_CONFIGS, key=["N", "K"])(
     triton.heuristics(_HEURISTICS)(_gemv_kernel)
