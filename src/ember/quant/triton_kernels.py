@@ -34,6 +34,7 @@ Shape legend: M rows of activations, K input features, N output features, g grou
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -425,6 +426,7 @@ TILED_PROGRAMS = 2048  # a split stops where it would launch more programs than 
 TILED_SPLIT_BLOCKS = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
 
 
+@functools.cache
 def tiled_split(N: int, K: int, group_size: int, block_n: int, rows: int = 1) -> int:
     """How many runs of tiles the tiled int4 GEMV cuts each row's K into: the largest divisor of the row's
     tiles that keeps the programs at most TILED_PROGRAMS. A program walks its tiles one after another, and
