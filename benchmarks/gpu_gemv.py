@@ -120,17 +120,18 @@ def kernel_calls(kind: str, x: torch.Tensor, ws, config: dict | None):
     raise ValueError(kind)
 
 
-def configs_for(kind: str) -> list[dict]:
+def configs_for(kind: str, K: int) -> list[dict]:
     if kind == "int4t":  # one group per nibble position: the tile is (BLOCK_N, GROUP) words
         return (
             [
                 {"BLOCK_N": bn, "num_warps": w, "num_stages": 1}
                 for bn, w in [(16, 2), (32, 2), (16, 4), (32, 4), (64, 4), (64, 8), (128, 8)]
             ]
-            + [  # K split into runs of tiles (a divisor of the row's tiles; others fail and are skipped)
+            + [  # K split into runs of tiles (a split must divide the row's tiles)
                 {"BLOCK_N": bn, "num_warps": w, "num_stages": 1, "SPLIT": split}
                 for bn, w in [(16, 4), (16, 2), (32, 4), (64, 8)]
                 for split in (2, 4, 7)
+                if (K // (8 * GROUP)) % split == 0
             ]
             + [{"auto": True}]
         )
@@ -163,14 +164,14 @@ def main() -> None:
     x = torch.randn(1, 1, device="cuda", dtype=torch.bfloat16)
     results = []
     for kind in args.kinds:
-        configs = [None] if kind in ("tinygemm",) else configs_for(kind)
-        if kind == "bf16":
-            configs = [None] + configs  # None = cuBLAS
         for shape in args.shapes:
             if time.perf_counter() - t_start > args.deadline:
                 print(f"deadline reached; skipping {kind} {shape}", flush=True)
                 continue
             N, K = SHAPES[shape]
+            configs = [None] if kind in ("tinygemm",) else configs_for(kind, K)
+            if kind == "bf16":
+                configs = [None] + configs  # None = cuBLAS
             try:
                 probe, nbytes = weights_for(kind, N, K, 1)
             except Exception as e:  # e.g. tinygemm missing on this build
