@@ -9,6 +9,7 @@ them), cycling through enough weight copies to defeat the 50 MB L2, median of se
     python benchmarks/gpu_gemv.py                   # all kernels, all shapes
     python benchmarks/gpu_gemv.py --kinds int4 --top 5
     python benchmarks/gpu_gemv.py --kinds int8 int4t tinygemm --rows 4   # batched decoding
+    python benchmarks/gpu_gemv.py --kinds int8glu bf16glu --shapes gate_up   # the fused SwiGLU GEMV
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def weights_for(kind: str, N: int, K: int, copies: int):
     )
 
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+    kind = kind.removesuffix("glu")  # the fused gate/up kernel reads the same weights
     if kind == "bf16":
         one = (w,)
     elif kind == "int8":
@@ -110,6 +112,8 @@ def kernel_calls(kind: str, x: torch.Tensor, ws, config: dict | None):
         return lambda i: tk.float_gemv(x, ws[i % len(ws)][0], blocks=config)
     if kind == "int8":
         return lambda i: tk.int8_gemv(x, *ws[i % len(ws)], blocks=config)
+    if kind in ("bf16glu", "int8glu"):  # gate rows over up rows -> silu(gate) * up, as the MLP runs it
+        return lambda i: tk.fused_gemv(x, *ws[i % len(ws)], glu=True, blocks=config)
     if kind == "int4":
         return lambda i: tk.int4_gemv(x, *ws[i % len(ws)], GROUP, blocks=config)
     if kind == "int4t":  # {"auto": True}: what the op picks (autotuned tiles, or a split)
@@ -154,6 +158,12 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=1, help="activation rows per call (batched decoding)")
     ap.add_argument("--deadline", type=float, default=420, help="seconds; later measurements are skipped")
     ap.add_argument("--check", action="store_true", help="first check Ember's modules against float math")
+    ap.add_argument(
+        "--x-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="activations' storage (Triton kinds)",
+    )
     args = ap.parse_args()
     if args.check:
         check_modules()
@@ -170,8 +180,8 @@ def main() -> None:
                 continue
             N, K = SHAPES[shape]
             configs = [None] if kind in ("tinygemm",) else configs_for(kind, K)
-            if kind == "bf16":
-                configs = [None] + configs  # None = cuBLAS
+            if kind in ("bf16", "bf16glu", "int8glu"):
+                configs = [None] + configs  # None = cuBLAS (bf16), or the tiles the GLU op tunes itself
             try:
                 probe, nbytes = weights_for(kind, N, K, 1)
             except Exception as e:  # e.g. tinygemm missing on this build
@@ -179,7 +189,10 @@ def main() -> None:
                 continue
             copies = max(2, math.ceil(POOL_BYTES / nbytes))
             ws, nbytes = weights_for(kind, N, K, copies)
-            x = torch.randn(args.rows, K, device="cuda", dtype=torch.bfloat16)
+            # bf16 values either way; float32 storage shows what converting x in the kernel costs.
+            x = torch.randn(args.rows, K, device="cuda", dtype=torch.bfloat16).to(
+                getattr(torch, args.x_dtype)
+            )
             compile_in_parallel(kind, x, ws, [c for c in configs if c is not None])
             for config in configs:
                 try:
@@ -196,7 +209,9 @@ def main() -> None:
                 (r for r in results if r["kind"] == kind and r["shape"] == shape), key=lambda r: r["us"]
             )
             for r in best[: args.top]:
-                label = "cuBLAS" if r["config"] is None and kind == "bf16" else json.dumps(r["config"])
+                label = json.dumps(r["config"])
+                if r["config"] is None:
+                    label = "cuBLAS" if kind == "bf16" else "autotuned"
                 print(
                     f"{kind:<9}{shape:<9}{r['us']:9.1f} us {r['gb_s']:7.0f} GB/s {100 * r['gb_s'] * 1e9 / read:5.1f}% "
                     f"of read  {label}",

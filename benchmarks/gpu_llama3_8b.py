@@ -39,7 +39,7 @@ def copy_bandwidth() -> float:
     return cb(torch.device("cuda"), nbytes=2 << 30, repeats=20) / 1e9
 
 
-def run_ember(configs: list[str]) -> None:
+def run_ember(configs: list[str], compile_prefill: bool = False) -> None:
     from ember.bench import random_model, run_bench
     from ember.quant import quantize_model
 
@@ -59,12 +59,14 @@ def run_ember(configs: list[str]) -> None:
             repeats=REPEATS,
             warmup=WARMUP,
             compile=True,
+            compile_prefill=compile_prefill,
             quantize=None if config == "bf16" else config,
             measure_device=False,
         )
         emit(
             engine="ember",
             config=config,
+            compile_prefill=compile_prefill,
             total_tok_s=r.total_tokens_per_s,
             decode_tok_s=r.decode_tokens_per_s,
             prefill_tok_s=r.prefill_tokens_per_s,
@@ -205,13 +207,18 @@ def main() -> None:
     ap.add_argument("--all", action="store_true", help="ember, gpt-fast and transformers, one process each")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per engine process")
     ap.add_argument("--profile", action="store_true", help="Ember: GPU time of a decode step by kernel")
+    ap.add_argument(
+        "--compile-prefill",
+        action="store_true",
+        help="Ember: also compile the prefill (dynamic shapes), as gpt-fast does",
+    )
     args = ap.parse_args()
     if args.profile:
         for config in args.configs:
             profile_ember(config)
         return
     if args.engine == "ember":
-        return run_ember(args.configs)
+        return run_ember(args.configs, args.compile_prefill)
     if args.engine == "gpt-fast":
         return run_gpt_fast(args.configs, args.gpt_fast)
     if args.engine == "transformers":
