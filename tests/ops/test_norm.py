@@ -56,3 +56,34 @@ def test_triton_add_rms_norm_matches_the_plain_ops_in_interpreter(dtype, E, offs
     # then its product with the weight), each time truncated by the interpreter.
     want = rms_norm_reference(h, w, 1e-6, offset)
     torch.testing.assert_close(out.float(), want.float(), atol=0, rtol=2 * step)
+
+
+def test_add_forward_adds_split_partial_sums_as_the_sum_pass_would():
+    from ember.quant.kernels import SplitSum
+
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(32, 1e-5).bfloat16()
+    x = torch.randn(1, 1, 32, generator=g).bfloat16()
+    parts = torch.randn(3, 1, 1, 32, generator=g)  # float32 partials of a projection split in 3 runs of K
+    delta = ((parts[0] + parts[1]) + parts[2]).bfloat16()  # the sum pass: in order, in float32, rounded once
+    h, out = norm.add_forward(x, SplitSum(parts))
+    want_h, want = norm.add_forward(x, delta)
+    torch.testing.assert_close(h, want_h, atol=0, rtol=0)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton (runs in its interpreter)"
+)
+def test_triton_add_rms_norm_adds_split_partial_sums_in_interpreter():
+    from ember.ops import triton_norm
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(2, 96, generator=g) * 4).to(torch.float16)
+    parts = torch.randn(4, 2, 96, generator=g)
+    w = (torch.randn(96, generator=g) * 0.5 + 1).to(torch.float16)
+    h, out = triton_norm.add_rms_norm(x, parts, w, 1e-6, 0.0)
+    delta = (((parts[0] + parts[1]) + parts[2]) + parts[3]).to(torch.float16)
+    want_h, _ = add_rms_norm_reference(x, delta, w, 1e-6, 0.0)
+    torch.testing.assert_close(h, want_h, atol=0, rtol=0)  # fp16: rounded once, as torch rounds it
+    torch.testing.assert_close(out.float(), rms_norm_reference(h, w, 1e-6, 0.0).float(), atol=0, rtol=2**-9)

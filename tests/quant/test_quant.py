@@ -16,6 +16,7 @@ from ember.quant.kernels import (
     int4_subnormal_scales,
     int4_tile,
     int4_tiled_dequantize,
+    int4_tiled_partials_reference,
     int4_tiles,
     int4_untile,
     int8_linear_reference,
@@ -101,6 +102,14 @@ def test_triton_gemv_kernels_match_float_math_in_interpreter(K, block_k):
             ) % 2 == 0:  # K cut into two runs of tiles, float32 partials added by a second kernel
                 y4 = tk.int4_tiled_gemv(x, words, sz, group, blocks=dict(BLOCK_N=16, SPLIT=2))
                 assert rel_err(y4, want) < 1e-5
+                # The same launch's partials, left for the consumer (`kernels.SplitSum`), and their reference.
+                parts = tk.int4_tiled_partials(x, words, sz, group, 2, dict(BLOCK_N=16))
+                assert parts.shape == (2, 2, 40) and parts.dtype == torch.float32
+                assert rel_err(parts.sum(0), want) < 1e-5
+                ref = int4_tiled_partials_reference(x, words, sz, group, 2)
+                w_bf = dequantized_int4(codes, *bf, group)
+                assert rel_err(parts, ref) < 1e-5
+                assert rel_err(ref[0], x[:, : K // 2] @ w_bf[:, : K // 2].T) < 1e-5
             if tk.tiled_split(40, K, group, 16, rows=2) > 1:  # picked by the op itself (fixed tiles)
                 assert rel_err(tk.int4_tiled_gemv(x, words, sz, group), want) < 1e-5
             assert torch.equal(

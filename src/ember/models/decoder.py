@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import ModelConfig
-from ember.ops.linear import Linear, silu_gate_up
+from ember.ops.linear import Linear, project, silu_gate_up
 from ember.ops.norm import RMSNorm
 from ember.ops.rope import Rope
+from ember.quant.kernels import SplitSum
 
 
 class KVCache(Protocol):
@@ -74,11 +75,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, split: bool = False) -> torch.Tensor | SplitSum:
+        """split: the down projection may return its partial sums (`project`) for the next norm to add."""
         if self.act is F.silu:  # SwiGLU: one kernel for the projection and the activation where it can
-            return self.down_proj(silu_gate_up(self.gate_up_proj, x))
+            return project(self.down_proj, silu_gate_up(self.gate_up_proj, x), split)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return project(self.down_proj, self.act(gate) * up, split)
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
@@ -134,7 +136,8 @@ class MoE(nn.Module):
         self.experts.down_proj = nn.Parameter(torch.empty(X, E, I))
         self.act = activation(cfg.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, split: bool = False) -> torch.Tensor:
+        """split: ignored (the routed pairs' outputs are added here)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (N, E)
         k = self.top_k
@@ -174,7 +177,10 @@ class Attention(nn.Module):
         self.scale = cfg.attention_scale if cfg.attention_scale is not None else self.D**-0.5
         self.softcap = cfg.attn_logit_softcap
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, split: bool = False
+    ) -> torch.Tensor | SplitSum:
+        """split: the output projection may return its partial sums (`project`) for the next norm to add."""
         B, T, _ = x.shape
         H, K, D = self.H, self.K, self.D
         q, k, v = self.qkv_proj(x).split([H * D, K * D, K * D], dim=-1)
@@ -188,7 +194,7 @@ class Attention(nn.Module):
         out = cache.attend(
             self.layer, q, k, v, rope=(cos, sin), window=self.window, scale=self.scale, softcap=self.softcap
         )
-        return self.o_proj(out.reshape(B, T, H * D))
+        return project(self.o_proj, out.reshape(B, T, H * D), split)
 
 
 class DecoderLayer(nn.Module):
@@ -230,22 +236,26 @@ class DecoderLayer(nn.Module):
     def forward_pre(
         self,
         x: torch.Tensor,
-        delta: torch.Tensor | None,
+        delta: torch.Tensor | SplitSum | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        split: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | SplitSum]:
         """A pre-norm layer on the residual stream x + delta (delta: the previous layer's MLP output, not yet
         added; None at the first layer) -> (stream after attention, this layer's MLP output). Each add is done
-        by the norm after it (`RMSNorm.add_forward`: one kernel when decoding on CUDA)."""
+        by the norm after it (`RMSNorm.add_forward`: one kernel when decoding on CUDA). With `split`, the
+        attention and MLP outputs may stay a split GEMV's partial sums (`SplitSum`), which those norms add; the
+        MLP output returned then may be one too."""
         cos, sin = rope
         m = self.residual_multiplier
+        split = split and m == 1.0  # a scaled branch is summed first
         if delta is None:
             h, n = x, self.input_layernorm(x)
         else:
             h, n = self.input_layernorm.add_forward(x, delta)
-        a = self.self_attn(n, cos, sin, cache)
+        a = self.self_attn(n, cos, sin, cache, split)
         h, n = self.post_attention_layernorm.add_forward(h, a * m if m != 1.0 else a)
-        f = self.mlp(n)
+        f = self.mlp(n, split)
         return h, f * m if m != 1.0 else f
 
 
@@ -262,6 +272,10 @@ class DecoderBody(nn.Module):
 
 class Decoder(nn.Module):
     """A causal LM: `model.*` is the body (Hugging Face's nesting), `lm_head` the output projection."""
+
+    # Pre-norm layers let a split GEMV's partial sums ride into the next norm (`DecoderLayer.forward_pre`);
+    # False has each projection add its own (for measuring what that is worth: benchmarks, A/B runs).
+    fold_split_sums: bool = True
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -304,7 +318,9 @@ class Decoder(nn.Module):
         if cfg.norm_placement == "pre":  # the residual adds ride in the next norm (`forward_pre`)
             delta = None
             for layer in self.model.layers:
-                h, delta = layer.forward_pre(h, delta, local if layer.uses_local_rope else rope, cache)
+                h, delta = layer.forward_pre(
+                    h, delta, local if layer.uses_local_rope else rope, cache, split=self.fold_split_sums
+                )
             return self.model.norm.add_forward(h, delta)[1] if delta is not None else self.model.norm(h)
         for layer in self.model.layers:
             h = layer(h, local if layer.uses_local_rope else rope, cache)

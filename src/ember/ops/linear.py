@@ -41,6 +41,14 @@ class Linear(nn.Linear):
         return (self.weight, None) if self.bias is None else None
 
 
+def project(module: nn.Module, x: torch.Tensor, split: bool = False) -> torch.Tensor | kernels.SplitSum:
+    """module(x); with `split`, the module's `split_forward` where it has one, which may leave a GEMV's partial
+    sums for the caller's consumer to add (`kernels.SplitSum`, `ember.ops.norm.RMSNorm.add_forward`)."""
+    if split and hasattr(module, "split_forward"):
+        return module.split_forward(x)
+    return module(x)
+
+
 def silu_gate_up(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a fused gate/up projection `module` (gate rows over up rows); x (..., K) -> (..., I).
 

@@ -7,7 +7,11 @@ cannot start early behind (`ember.ops.launch`); on CUDA, for one row, `add_rms_n
 loads the norm weight before waiting on the kernel before and lets the GEMV after it start while it drains.
 Elsewhere it is the plain ops, `add_rms_norm_reference`, which the kernel is tested against.
 
-Shape legend: E features; x, delta (..., E).
+A split GEMV's float32 partial sums (`ember.quant.kernels.SplitSum`) can stand for delta: the kernel adds them
+as it loads them, in place of the pass that would (int4 o and down projections; one kernel and its
+boundary fewer per projection).
+
+Shape legend: E features; x, delta (..., E); S runs of a split GEMV.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 from torch import nn
 
 from ember.ops.linear import one_row_on_cuda
-from ember.quant.kernels import HAS_TRITON
+from ember.quant.kernels import HAS_TRITON, SplitSum
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
@@ -32,7 +36,10 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset
 def add_rms_norm_reference(
     x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, rms_norm(h)) with h = x + delta in x's dtype."""
+    """(h, rms_norm(h)) with h = x + delta in x's dtype; delta (..., E) in x's dtype, or (S, ..., E) float32
+    partial sums of it (`SplitSum`), added in order and rounded to x's dtype first."""
+    if delta.dim() == x.dim() + 1:
+        delta = SplitSum(delta).total(x.dtype)
     h = x + delta
     return h, rms_norm_reference(h, weight, eps, offset)
 
@@ -69,8 +76,15 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_reference(x, self.weight, self.eps, self.offset)
 
-    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h, self(h)) for h = x + delta: one kernel for a decode row on CUDA (`add_rms_norm`)."""
-        if one_row_on_cuda(x) and delta.dtype == x.dtype == self.weight.dtype:
-            return add_rms_norm(x, delta, self.weight, self.eps, self.offset)
-        return add_rms_norm_reference(x, delta, self.weight, self.eps, self.offset)
+    def add_forward(
+        self, x: torch.Tensor, delta: torch.Tensor | SplitSum
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, self(h)) for h = x + delta: one kernel for a decode row on CUDA (`add_rms_norm`), which also adds
+        a split GEMV's partial sums where delta is a `SplitSum`."""
+        split = isinstance(delta, SplitSum)
+        parts = delta.parts if split else delta
+        if one_row_on_cuda(x) and x.dtype == self.weight.dtype and (split or delta.dtype == x.dtype):
+            return add_rms_norm(x, parts, self.weight, self.eps, self.offset)
+        if split:
+            parts = delta.total(x.dtype)
+        return add_rms_norm_reference(x, parts, self.weight, self.eps, self.offset)

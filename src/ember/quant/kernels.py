@@ -6,6 +6,8 @@
 with factors from `int4_subnormal_scales`), and return y (M, N) in x's dtype.
 
 - `ember::float_linear(x, weight)`: bf16/fp16 weights, one row on CUDA (used by `ember.ops.linear.Linear`).
+- `ember::int4_tiled_partials(x, words, sz, group_size, splits)`: the tiled int4 GEMV's float32 partial sums
+  over `splits` runs of K, left for the consumer to add (`SplitSum`).
 - `ember::silu_gate_up(x, weight, scales)`: a fused gate/up projection and SwiGLU's silu(gate) * up in one
   GEMV (float or int8 weights; decode on CUDA, chosen by `ember.ops.linear.silu_gate_up`).
 - CUDA, M <= 8 (decode): Triton GEMV kernels that read each weight byte once and dequantize in registers.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -221,6 +224,57 @@ def int4_tiled_dequantize(words: torch.Tensor, sz: torch.Tensor, group_size: int
     s = (sz & -65536).view(torch.float32) * 2.0 ** (TILED_X_EXP - 149)
     z = (sz << 16).view(torch.float32) * torch.exp2((TILED_X_EXP - p).float())
     return (codes * s[..., None] + z[..., None]).reshape(N, -1)
+
+
+class SplitSum(NamedTuple):
+    """A projection's output y (..., N) left as float32 partial sums over runs of K, `parts` (S, ..., N).
+
+    A GEMV that splits K where N is small needs a pass that adds its partials; when the projection's consumer
+    reads its output once anyway (the residual add before the next RMSNorm, `ember.ops.norm.RMSNorm.add_forward`),
+    that pass can be the consumer's load. `total` is y as the pass would store it: the parts added in order in
+    float32, rounded once."""
+
+    parts: torch.Tensor
+
+    def total(self, dtype: torch.dtype) -> torch.Tensor:
+        acc = self.parts[0].clone()
+        for part in self.parts[1:]:
+            acc += part
+        return acc.to(dtype)
+
+
+def int4_tiled_partials_reference(
+    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int
+) -> torch.Tensor:
+    """x (M, K), tiled words and factors -> (splits, M, N) float32: x @ w.T over each of `splits` equal runs of K."""
+    w = int4_tiled_dequantize(words, sz, group_size)
+    run = x.shape[1] // splits
+    xf = x.float()
+    return torch.stack(
+        [xf[:, i * run : (i + 1) * run] @ w[:, i * run : (i + 1) * run].T for i in range(splits)]
+    )
+
+
+@torch.library.custom_op("ember::int4_tiled_partials", mutates_args=())
+def int4_tiled_partials(
+    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int
+) -> torch.Tensor:
+    """`int4_tiled_partials_reference`; on CUDA the tiled GEMV's split-K launch without its sum pass."""
+    return int4_tiled_partials_reference(x, words, sz, group_size, splits)
+
+
+@int4_tiled_partials.register_fake
+def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int):
+    return x.new_empty(splits, x.shape[0], words.shape[0], dtype=torch.float32)
+
+
+@int4_tiled_partials.register_kernel("cuda")
+def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int):
+    if not HAS_TRITON:
+        return int4_tiled_partials_reference(x, words, sz, group_size, splits)
+    from ember.quant import triton_kernels
+
+    return triton_kernels.int4_tiled_partials(x.contiguous(), words, sz, group_size, splits)
 
 
 def int4_tiled_linear_reference(

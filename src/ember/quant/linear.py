@@ -171,6 +171,7 @@ class Int4WeightOnlyLinear(QuantLinear):
         self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
         self.register_buffer("scales", torch.ones(out_features, G, dtype=torch.float32))
         self.register_buffer("mins", torch.zeros(out_features, G, dtype=torch.float32))
+        self._splits = 1  # runs of K the tiled one-row GEMV adds up, set by `prepare` (`split_forward`)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, group_size: int = 128) -> Int4WeightOnlyLinear:
@@ -205,6 +206,7 @@ class Int4WeightOnlyLinear(QuantLinear):
         - "triton": Ember's canonical-layout GEMV for the rest.
         """
         dev = self.qweight.device
+        self._splits = 1
         inner = next((t for t in (8, 4, 2) if self.in_features % (16 * t) == 0), None)
         cuda_ok = self.dtype == torch.bfloat16 and self.out_features % 8 == 0 and inner is not None
         if dev.type == "cpu":
@@ -222,6 +224,11 @@ class Int4WeightOnlyLinear(QuantLinear):
             self.register_buffer(
                 "_tsz", kernels.int4_subnormal_scales(self.scales, self.mins), persistent=False
             )
+            if kernels.HAS_TRITON:
+                from ember.quant import triton_kernels as tk
+
+                N, K, g = self.out_features, self.in_features, self.group_size
+                self._splits = tk.tiled_split(N, K, g, tk.TILED_SPLIT_BLOCKS["BLOCK_N"])
         else:
             s16, z16 = kernels.int4_fold_scales(self.scales, self.mins, self.dtype)
             self.register_buffer("_s16", s16, persistent=False)
@@ -235,6 +242,16 @@ class Int4WeightOnlyLinear(QuantLinear):
             "triton": ("qweight", "_s16", "_z16"),
         }
         return kinds[self._kernel]
+
+    def split_forward(self, x: torch.Tensor) -> torch.Tensor | kernels.SplitSum:
+        """forward(x); or, for one decode row on CUDA where the tiled GEMV splits K, its float32 partial sums
+        (`kernels.SplitSum`) for a consumer that adds them as it reads them, in place of the pass that would."""
+        splits = self._splits
+        if splits > 1 and self.bias is None and x.is_cuda and x.numel() == x.shape[-1]:
+            x2 = x.reshape(1, self.in_features)
+            parts = kernels.int4_tiled_partials(x2, self._words, self._tsz, self.group_size, splits)
+            return kernels.SplitSum(parts.reshape(splits, *x.shape[:-1], self.out_features))
+        return self(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -589,12 +589,34 @@ def int4_tiled_gemv(
             return y
         blocks = {**TILED_SPLIT_BLOCKS, "SPLIT": split}
     split = blocks.get("SPLIT", 1)
+    if split == 1:
+        grid = (triton.cdiv(N, blocks["BLOCK_N"]) * M, 1, 1)
+        _int4_tiled_gemv_kernel[grid](x, words, sz, y, N, M, K, GROUP=group_size, **{**opts, **blocks})
+        return y
+    part = int4_tiled_partials(x, words, sz, group_size, split, blocks)
+    BLOCK = 1024
+    _sum_splits_kernel[(triton.cdiv(M * N, BLOCK),)](part, y, M * N, SPLIT=split, BLOCK=BLOCK, **opts)
+    return y
+
+
+def int4_tiled_partials(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    sz: torch.Tensor,
+    group_size: int,
+    split: int,
+    blocks: dict | None = None,
+) -> torch.Tensor:
+    """The tiled GEMV over `split` equal runs of each row's tiles, without adding them: float32 (split, M, N),
+    summed over the first axis by `_sum_splits_kernel` or by the consumer (`kernels.SplitSum`)."""
+    M, K = x.shape
+    N = words.shape[0]
     if (K // (8 * group_size)) % split:
         raise ValueError(f"SPLIT={split} does not divide the {K // (8 * group_size)} tiles of a row")
-    out = y if split == 1 else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
+    blocks = {**TILED_SPLIT_BLOCKS, **(blocks or {}), "SPLIT": split}
+    part = torch.empty(split, M, N, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(N, blocks["BLOCK_N"]) * M, 1, split)
-    _int4_tiled_gemv_kernel[grid](x, words, sz, out, N, M, K, GROUP=group_size, **{**opts, **blocks})
-    if split > 1:
-        BLOCK = 1024
-        _sum_splits_kernel[(triton.cdiv(M * N, BLOCK),)](out, y, M * N, SPLIT=split, BLOCK=BLOCK, **opts)
-    return y
+    _int4_tiled_gemv_kernel[grid](
+        x, words, sz, part, N, M, K, GROUP=group_size, **launch_options(x.device), **blocks
+    )
+    return part
