@@ -82,9 +82,7 @@ class RMSNorm(nn.Module):
         """(h, self(h)) for h = x + delta: one kernel for a decode row on CUDA (`add_rms_norm`), which also adds
         a split GEMV's partial sums where delta is a `SplitSum`."""
         split = isinstance(delta, SplitSum)
-        parts = delta.parts if split else delta
-        if one_row_on_cuda(x) and x.dtype == self.weight.dtype and (split or delta.dtype == x.dtype):
-            return add_rms_norm(x, parts, self.weight, self.eps, self.offset)
-        if split:
-            parts = delta.total(x.dtype)
-        return add_rms_norm_reference(x, parts, self.weight, self.eps, self.offset)
+        d = delta.parts if split else delta  # both forms of the op's delta
+        if one_row_on_cuda(x) and x.dtype == self.weight.dtype and (split or d.dtype == x.dtype):
+            return add_rms_norm(x, d, self.weight, self.eps, self.offset)
+        return add_rms_norm_reference(x, d, self.weight, self.eps, self.offset)
