@@ -116,7 +116,7 @@ def kernel_calls(kind: str, x: torch.Tensor, ws, config: dict | None):
         return lambda i: tk.fused_gemv(x, *ws[i % len(ws)], glu=True, blocks=config)
     if kind == "int4":
         return lambda i: tk.int4_gemv(x, *ws[i % len(ws)], GROUP, blocks=config)
-    if kind == "int4t":  # {"auto": True}: what the op picks (autotuned tiles, or a split)
+    if kind == "int4t":  # {"auto": True}: what the op picks (`ember.quant.tuning`, or a split)
         blocks = None if config and config.get("auto") else config
         return lambda i: tk.int4_tiled_gemv(x, *ws[i % len(ws)], GROUP, blocks=blocks)
     if kind == "tinygemm":
@@ -211,7 +211,7 @@ def main() -> None:
             for r in best[: args.top]:
                 label = json.dumps(r["config"])
                 if r["config"] is None:
-                    label = "cuBLAS" if kind == "bf16" else "autotuned"
+                    label = "cuBLAS" if kind == "bf16" else "picked (ember.quant.tuning)"
                 print(
                     f"{kind:<9}{shape:<9}{r['us']:9.1f} us {r['gb_s']:7.0f} GB/s {100 * r['gb_s'] * 1e9 / read:5.1f}% "
                     f"of read  {label}",
@@ -275,7 +275,7 @@ def check_int4_tiled() -> None:
             tiles = K // (8 * g)
             variants = [{"BLOCK_N": bn, "num_warps": nw} for bn, nw in [(16, 4), (64, 8)]]
             variants += [{"BLOCK_N": 16, "num_warps": 4, "SPLIT": d} for d in (2, 7) if tiles % d == 0]
-            variants += [None] if g == 128 else []  # None: what the op picks (autotuned, or split)
+            variants += [None] if g == 128 else []  # None: what the op picks (ember.quant.tuning, or split)
             for blocks in variants:
                 got = tk.int4_tiled_gemv(x, words, sz, g, blocks=blocks).float()
                 if amp == 0.0:

@@ -25,8 +25,9 @@ reduced once at the end. What keeps them near the limit on an H100/H200-class GP
 - Launched with programmatic dependent launch on Hopper (`ember.ops.launch`): a program loads its first
   weight tile before waiting for the kernel before it to finish.
 
-The tile sizes are autotuned per (N, K) on the first call, which the compiled step's warm-up makes before
-any CUDA graph is captured. `benchmarks/gpu_gemv.py` sweeps them on a device and compares with cuBLAS.
+The tiles are picked per shape on a device's first call (`ember.quant.tuning`: timed in a CUDA graph over
+weights streamed from memory, as decoding reads them), which the compiled step's warm-up makes before any
+CUDA graph is captured. `benchmarks/gpu_gemv.py` sweeps them on a device and compares with cuBLAS.
 Tested against `ember.quant.kernels.*_reference`, also on CPU through Triton's interpreter.
 
 Shape legend: M rows of activations, K input features, N output features, g group size.
@@ -42,6 +43,7 @@ import triton
 import triton.language as tl
 
 from ember.ops.launch import launch_options
+from ember.quant import tuning
 from ember.quant.kernels import TILED_X_EXP
 
 X_EXP = tl.constexpr(TILED_X_EXP)
@@ -59,15 +61,22 @@ def _configs(entries: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     ]
 
 
-# (BLOCK_N, BLOCK_K, warps, stages): the tiles that were within a few percent of the best for some
-# Llama-3-8B shape in `benchmarks/gpu_gemv.py` on an H200 (BLOCK_K counts weights). Small BLOCK_N keeps
-# enough programs in flight to fill 132 multiprocessors when N = 4096.
-FLOAT_CONFIGS = _configs(
-    [(1, 2048, 8, 1), (1, 2048, 8, 3), (2, 2048, 8, 1), (1, 2048, 4, 3), (2, 1024, 4, 1), (4, 512, 4, 1)]
+def _blocks(entries: list[tuple[int, int, int]], **flags) -> list[dict]:
+    return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 1, **flags} for bn, bk, w in entries]
+
+
+# The GEMV's candidate tiles, (BLOCK_N, BLOCK_K, warps) (BLOCK_K counts weights), timed on a device's first
+# call of each shape (`ember.quant.tuning`): those within a few percent of the best for some Llama-3-8B shape
+# in `benchmarks/gpu_gemv.py` on an H200, each with one float accumulator per weight and with one per 8
+# weights (ACC8, fewer registers: more programs in flight). The first is what a call that cannot time
+# (during a CUDA graph capture) takes. Small BLOCK_N keeps enough programs in flight to fill 132
+# multiprocessors when N = 4096.
+FLOAT_BLOCKS = _blocks([(1, 2048, 8), (2, 2048, 8), (1, 2048, 4), (2, 1024, 4), (4, 512, 4)]) + _blocks(
+    [(1, 2048, 8), (2, 2048, 8), (4, 1024, 4)], ACC8=True
 )
-INT8_CONFIGS = _configs(
-    [(4, 2048, 4, 1), (4, 1024, 4, 3), (8, 1024, 8, 1), (8, 512, 8, 3), (4, 512, 4, 1), (16, 512, 8, 1)]
-)
+INT8_BLOCKS = _blocks(
+    [(4, 2048, 4), (4, 1024, 4), (8, 1024, 8), (8, 512, 8), (4, 512, 4), (16, 512, 8)]
+) + _blocks([(4, 2048, 4), (4, 1024, 4), (8, 1024, 8), (4, 512, 4), (8, 512, 8), (16, 512, 8)], ACC8=True)
 INT4_CONFIGS = _configs([(2, 1024, 4, 1), (4, 512, 4, 1), (8, 256, 4, 1), (16, 256, 4, 1), (16, 512, 4, 1)])
 
 
@@ -117,24 +126,63 @@ def _gemv_step(
     INT8: tl.constexpr,
     MAGIC: tl.constexpr,
     GLU: tl.constexpr,
+    ACC8: tl.constexpr,
 ):
     # acc (+)= w * x over one step (and acc_up with the up rows' tile). x_ptrs has the tile's shape (every row
     # the same activations): loaded so, x lands in the registers of the weights it multiplies; a vector of x
     # broadcast over rows took a trip through shared memory and two barriers per step.
+    # ACC8: acc holds one sum per 8 consecutive weights of a row (a thread's own: 8 FMAs in a chain, see
+    # _fma8), an eighth of the registers of one float per weight.
     if EVEN_K:
         x = tl.load(x_ptrs)
     else:
         x = tl.load(x_ptrs, mask=(k0 + rk < K)[None, :], other=0.0)
     xf = x.to(tl.float32)
+    shape: tl.constexpr = [w.shape[0], w.shape[1] // 8, 8]  # ACC8's view of a tile
     if INT8:
-        acc += _int8_to_float(w, MAGIC) * xf
-        if GLU:
-            acc_up += _int8_to_float(wu, MAGIC) * xf
+        wf = _int8_to_float(w, MAGIC)
     else:
-        acc += w.to(tl.float32) * xf
-        if GLU:
-            acc_up += wu.to(tl.float32) * xf
+        wf = w.to(tl.float32)
+    if ACC8:
+        x8 = tl.reshape(xf, shape)
+        acc = _fma8(acc, tl.reshape(wf, shape), x8)
+    else:
+        acc += wf * xf
+    if GLU:
+        if INT8:
+            wuf = _int8_to_float(wu, MAGIC)
+        else:
+            wuf = wu.to(tl.float32)
+        if ACC8:
+            acc_up = _fma8(acc_up, tl.reshape(wuf, shape), x8)
+        else:
+            acc_up += wuf * xf
     return acc, acc_up
+
+
+@triton.jit
+def _fma8(acc, a, b):
+    # acc + sum(a * b) over the last axis, of size 8 and held by one thread, as eight chained FMAs (tl.sum
+    # would multiply and add separately).
+    shape: tl.constexpr = a.shape[:-1]
+    a0, a1 = tl.split(tl.reshape(a, shape + [4, 2]))
+    b0, b1 = tl.split(tl.reshape(b, shape + [4, 2]))
+    a00, a01 = tl.split(tl.reshape(a0, shape + [2, 2]))
+    a10, a11 = tl.split(tl.reshape(a1, shape + [2, 2]))
+    b00, b01 = tl.split(tl.reshape(b0, shape + [2, 2]))
+    b10, b11 = tl.split(tl.reshape(b1, shape + [2, 2]))
+    u, v = tl.split(a00)
+    x, y = tl.split(b00)
+    acc = tl.fma(v, y, tl.fma(u, x, acc))
+    u, v = tl.split(a01)
+    x, y = tl.split(b01)
+    acc = tl.fma(v, y, tl.fma(u, x, acc))
+    u, v = tl.split(a10)
+    x, y = tl.split(b10)
+    acc = tl.fma(v, y, tl.fma(u, x, acc))
+    u, v = tl.split(a11)
+    x, y = tl.split(b11)
+    return tl.fma(v, y, tl.fma(u, x, acc))
 
 
 @triton.jit
@@ -186,6 +234,7 @@ def _gemv_kernel(
     MAGIC: tl.constexpr,
     GLU: tl.constexpr = False,
     PDL: tl.constexpr = False,
+    ACC8: tl.constexpr = False,
 ):
     # Float weights (INT8=False, s_ptr unused), or int8 codes with one scale per row (INT8=True; MAGIC picks
     # how codes become floats, see _int8_to_float).
@@ -199,18 +248,23 @@ def _gemv_kernel(
     rk = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows[:, None] * K + rk[None, :]
     x_ptrs = x_ptr + m * K + (rows * 0)[:, None] + rk[None, :]  # (BLOCK_N, BLOCK_K): see _gemv_step
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     # The first step is peeled: its weights need nothing from the kernel before, its activations do.
     w, wu = _gemv_weights(w_ptrs, 0, rk, K, N * K, EVEN_K, GLU)
+    if ACC8:
+        # Zeros in the layout the weights' load gave (tl.zeros picks one of its own, and the FMAs converted
+        # between the two through shared memory).
+        acc = tl.sum(tl.reshape(w, (BLOCK_N, BLOCK_K // 8, 8)).to(tl.float32), axis=2) * 0.0
+    else:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_up = acc
     if PDL:
         tl.extra.cuda.gdc_wait()
-    acc, acc_up = _gemv_step(acc, acc_up, w, wu, x_ptrs, 0, rk, K, EVEN_K, INT8, MAGIC, GLU)
+    acc, acc_up = _gemv_step(acc, acc_up, w, wu, x_ptrs, 0, rk, K, EVEN_K, INT8, MAGIC, GLU, ACC8)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         w, wu = _gemv_weights(w_ptrs, k0, rk, K, N * K, EVEN_K, GLU)
-        acc, acc_up = _gemv_step(acc, acc_up, w, wu, x_ptrs, k0, rk, K, EVEN_K, INT8, MAGIC, GLU)
+        acc, acc_up = _gemv_step(acc, acc_up, w, wu, x_ptrs, k0, rk, K, EVEN_K, INT8, MAGIC, GLU, ACC8)
     out = tl.sum(acc, axis=1)
     if INT8:
         out = out * tl.load(s_ptr + rows).to(tl.float32)
@@ -436,23 +490,9 @@ def tiled_split(N: int, K: int, group_size: int, block_n: int, rows: int = 1) ->
     return max(d for d in range(1, tiles + 1) if tiles % d == 0 and (d == 1 or blocks * d <= TILED_PROGRAMS))
 
 
-TILED_CONFIGS = [  # (BLOCK_N, warps): the best few per Llama-3-8B shape in benchmarks/gpu_gemv.py on an H200
-    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=1)
-    for bn, w in [(16, 4), (16, 2), (32, 4), (64, 8)]
+TILED_BLOCKS = [  # (BLOCK_N, warps): the best few per Llama-3-8B shape in benchmarks/gpu_gemv.py on an H200
+    {"BLOCK_N": bn, "num_warps": w, "num_stages": 1} for bn, w in [(16, 4), (16, 2), (32, 4), (64, 8)]
 ]
-_float_tuned = triton.autotune(configs=FLOAT_CONFIGS, key=["N", "K"])(
-    triton.heuristics(_HEURISTICS)(_gemv_kernel)
-)
-_int8_tuned = triton.autotune(configs=INT8_CONFIGS, key=["N", "K"])(
-    triton.heuristics(_HEURISTICS)(_gemv_kernel)
-)
-# The gate/up GEMV reads two row blocks per program: tuned on its own (an autotuner's key ignores flags).
-_float_glu_tuned = triton.autotune(configs=FLOAT_CONFIGS, key=["N", "K"])(
-    triton.heuristics(_HEURISTICS)(_gemv_kernel)
-)
-_int8_glu_tuned = triton.autotune(configs=INT8_CONFIGS, key=["N", "K"])(
-    triton.heuristics(_HEURISTICS)(_gemv_kernel)
-)
 _int4_tuned = triton.autotune(
     configs=INT4_CONFIGS, key=["N", "K", "GROUP"], prune_configs_by={"early_config_prune": _prune_int4}
 )(triton.heuristics(_HEURISTICS)(_int4_gemv_kernel))
@@ -496,22 +536,19 @@ def fused_gemv(
     (M, K), N = x.shape, weight.shape[0] // (2 if glu else 1)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     int8 = scales is not None
-    args = (
-        x,
-        weight,
-        scales if int8 else weight,
-        y,
-        N,
-        M,
-        K,
-    )  # no scales: the weight pointer stands in, unread
     consts = {"INT8": int8, "GLU": glu, **launch_options(x.device)}
     if blocks is None or "MAGIC" not in blocks:
         consts["MAGIC"] = int8_magic() if int8 else 0
-    tuned = (
-        (_int8_glu_tuned if int8 else _float_glu_tuned) if glu else (_int8_tuned if int8 else _float_tuned)
-    )
-    _launch(tuned, _gemv_kernel, blocks, M, N, K, args, **consts)
+    grid = lambda b: (triton.cdiv(N, b["BLOCK_N"]) * M,)  # noqa: E731
+
+    def run(b: dict, w: tuple[torch.Tensor, ...]) -> None:
+        _gemv_kernel[grid(b)](x, w[0], w[-1], y, N, M, K, **{"EVEN_K": K % b["BLOCK_K"] == 0, **consts, **b})
+
+    if blocks is None:
+        configs = INT8_BLOCKS if int8 else FLOAT_BLOCKS
+        key = ("gemv", int8, glu, M, N, K, weight.dtype, x.dtype)
+        blocks = tuning.pick(key, configs, run, (weight, scales) if int8 else (weight,))
+    run(blocks, (weight, scales) if int8 else (weight,))
     return y
 
 
@@ -529,9 +566,6 @@ def int4_gemv(
     args = (x, qweight, s16, z16, y, N, M, K)
     _launch(_int4_tuned, _int4_gemv_kernel, blocks, M, N, K, args, GROUP=group_size)
     return y
-
-
-_int4_tiled_tuned = triton.autotune(configs=TILED_CONFIGS, key=["N", "K", "GROUP"])(_int4_tiled_gemv_kernel)
 
 
 @triton.jit
@@ -575,7 +609,7 @@ def int4_tiled_gemv(
     `kernels.int4_subnormal_scales` -> (M, N).
 
     Where N gives few programs, K is split (`tiled_split`) and a second kernel adds the partial sums; those
-    launches take fixed tiles (TILED_SPLIT_BLOCKS) instead of the autotuned ones. `blocks` (tile, warps and
+    launches take fixed tiles (TILED_SPLIT_BLOCKS) instead of picked ones (`ember.quant.tuning`). `blocks` (tile, warps and
     SPLIT, for benchmarks) fixes them all."""
     M, K = x.shape
     N = words.shape[0]
@@ -583,16 +617,19 @@ def int4_tiled_gemv(
     opts = launch_options(x.device)
     if blocks is None:
         split = tiled_split(N, K, group_size, TILED_SPLIT_BLOCKS["BLOCK_N"], M)
-        if split == 1:
-            grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]) * M, 1, 1)  # noqa: E731
-            _int4_tiled_tuned[grid](x, words, sz, y, N, M, K, GROUP=group_size, **opts)
-            return y
-        blocks = {**TILED_SPLIT_BLOCKS, "SPLIT": split}
-    split = blocks.get("SPLIT", 1)
-    if split == 1:
-        grid = (triton.cdiv(N, blocks["BLOCK_N"]) * M, 1, 1)
-        _int4_tiled_gemv_kernel[grid](x, words, sz, y, N, M, K, GROUP=group_size, **{**opts, **blocks})
+        blocks = {**TILED_SPLIT_BLOCKS, "SPLIT": split} if split > 1 else None
+    if blocks is None or blocks.get("SPLIT", 1) == 1:
+
+        def run(b: dict, w: tuple[torch.Tensor, ...]) -> None:
+            grid = (triton.cdiv(N, b["BLOCK_N"]) * M, 1, 1)
+            _int4_tiled_gemv_kernel[grid](x, w[0], w[1], y, N, M, K, GROUP=group_size, **{**opts, **b})
+
+        if blocks is None:
+            key = ("int4_tiled", M, N, K, group_size, x.dtype)
+            blocks = tuning.pick(key, TILED_BLOCKS, run, (words, sz))
+        run(blocks, (words, sz))
         return y
+    split = blocks["SPLIT"]
     part = int4_tiled_partials(x, words, sz, group_size, split, blocks)
     BLOCK = 1024
     _sum_splits_kernel[(triton.cdiv(M * N, BLOCK),)](part, y, M * N, SPLIT=split, BLOCK=BLOCK, **opts)

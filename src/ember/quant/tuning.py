@@ -1,0 +1,94 @@
+"""Tile choice for the decode GEMVs, timed the way a decode step runs them.
+
+A decode GEMV reads weights that were last touched a whole step earlier, so they come from memory, not from
+L2, and the compiled step launches its kernels back to back in a CUDA graph. Triton's autotuner times one
+launch at a time with the same weights every time (clearing L2 with a memset in between): at the few
+microseconds an attention projection takes, its timings are noisy and its pick moved between processes
+(H200, Llama-3-8B int8, the same code: 348 and 380 tok/s, BENCHMARKS.md). `pick` times each candidate inside
+a CUDA graph of back-to-back launches over enough copies of the weights to spill L2, median of a few
+replays, once per key and process, and remembers the winner.
+
+    config = pick(key, candidates, run, weights)   # run(config, weights) launches one call
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+L2_SPILL = 4  # copies of the weights add up to this many times the L2 (or the weights alone already do)
+MIN_LAUNCHES = 16  # per graph: amortizes the graph launch and the first kernel's ramp
+REPLAYS = 5
+
+_picked: dict[tuple, object] = {}
+
+
+def pick(key: tuple, candidates: Sequence, run: Callable, weights: tuple[torch.Tensor, ...]):
+    """The fastest of `candidates` for `key` (the first call times them; later calls return the winner).
+
+    run(candidate, weights) launches one call with a tuple like `weights` (the caller owns the output
+    buffers). Outside CUDA, with one candidate, or while a CUDA graph is being captured (no timing possible;
+    nothing is remembered) it returns the first candidate. A candidate that fails to compile or launch is
+    skipped (and logged); if all fail, the last error is raised.
+    """
+    device = weights[0].device
+    key = (*key, device)
+    if key in _picked:
+        return _picked[key]
+    if len(candidates) == 1 or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return candidates[0]
+    copies = _weight_copies(weights)
+    best, best_s, error = None, math.inf, None
+    for candidate in candidates:
+        try:
+            s = _time(lambda i, c=candidate: run(c, copies[i % len(copies)]), max(len(copies), MIN_LAUNCHES))
+        except Exception as e:  # e.g. a tile that needs more shared memory than this GPU has
+            log.debug("GEMV candidate %s for %s failed: %s", candidate, key, e)
+            error = e
+            continue
+        if s < best_s:
+            best, best_s = candidate, s
+    if best is None:
+        raise error
+    log.debug("GEMV %s: %s (%.1f us)", key, best, best_s * 1e6)
+    _picked[key] = best
+    return best
+
+
+def _weight_copies(weights: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+    """The weights, and as many clones as make L2_SPILL times the L2 (as many as free memory allows)."""
+    device = weights[0].device
+    nbytes = sum(t.numel() * t.element_size() for t in weights)
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    want = math.ceil(L2_SPILL * l2 / max(nbytes, 1)) - 1
+    free, _ = torch.cuda.mem_get_info(device)
+    extra = max(0, min(want, (free // 2) // max(nbytes, 1), 64))
+    return [weights] + [tuple(t.clone() for t in weights) for _ in range(extra)]
+
+
+def _time(call: Callable[[int], None], launches: int) -> float:
+    """Seconds per call of call(i), i < launches, captured in one CUDA graph; median of REPLAYS replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call(0)  # compiles
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(launches):
+            call(i)
+    graph.replay()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / launches)
+    return sorted(times)[len(times) // 2]
