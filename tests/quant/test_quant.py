@@ -74,11 +74,12 @@ def test_ops_match_their_twins_on_cpu():
     importlib.util.find_spec("triton") is None, reason="needs triton (runs in its interpreter)"
 )
 @pytest.mark.parametrize("K,block_k", [(512, 256), (576, 256)])  # 576: the last K step is partial
-def test_triton_gemv_kernels_match_float_math_in_interpreter(K, block_k):
+@pytest.mark.parametrize("acc8", [False, True])  # one float accumulator per weight, or per 8 weights
+def test_triton_gemv_kernels_match_float_math_in_interpreter(K, block_k, acc8):
     from ember.quant import triton_kernels as tk
 
     x, w = torch.randn(2, K), torch.randn(40, K)  # N=40: the last row block is partial
-    blocks = dict(BLOCK_N=16, BLOCK_K=block_k)
+    blocks = dict(BLOCK_N=16, BLOCK_K=block_k, ACC8=acc8)
     assert rel_err(tk.float_gemv(x, w, blocks=blocks), x @ w.T) < 1e-5
     q, s = quantize_int8_per_channel(w)
     for magic in (0, 1):  # the plain conversion, the float-exponent arithmetic (2, byte permutes: PTX only)
@@ -87,7 +88,7 @@ def test_triton_gemv_kernels_match_float_math_in_interpreter(K, block_k):
     for group in (32, 64):
         codes, sc, mn = quantize_int4_grouped(w, group)
         s16, z16 = int4_fold_scales(sc, mn, torch.float32)
-        y4 = tk.int4_gemv(x, pack_nibbles(codes), s16, z16, group, blocks=blocks)
+        y4 = tk.int4_gemv(x, pack_nibbles(codes), s16, z16, group, blocks=dict(BLOCK_N=16, BLOCK_K=block_k))
         want = x @ dequantized_int4(codes, sc, mn, group).T
         assert rel_err(y4, want) < 1e-5
         if int4_tiles(K, group):
@@ -181,14 +182,15 @@ def test_unknown_scheme_and_double_quantization_are_errors():
     importlib.util.find_spec("triton") is None, reason="needs triton (runs in its interpreter)"
 )
 @pytest.mark.parametrize("int8", [False, True])
-def test_silu_gate_up_gemv_matches_the_unfused_ops_in_interpreter(int8):
+@pytest.mark.parametrize("acc8", [False, True])
+def test_silu_gate_up_gemv_matches_the_unfused_ops_in_interpreter(int8, acc8):
     from ember.quant import triton_kernels as tk
     from ember.quant.kernels import silu_gate_up_reference
 
     K, I = 576, 40  # noqa: E741  (the last K step and the last row block are partial)
     x, w = torch.randn(1, K), torch.randn(2 * I, K) * 0.1
     weight, scales = quantize_int8_per_channel(w) if int8 else (w, None)
-    got = tk.fused_gemv(x, weight, scales, glu=True, blocks=dict(BLOCK_N=16, BLOCK_K=256))
+    got = tk.fused_gemv(x, weight, scales, glu=True, blocks=dict(BLOCK_N=16, BLOCK_K=256, ACC8=acc8))
     want = silu_gate_up_reference(x, weight, scales)
     assert got.shape == (1, I)
     assert rel_err(got, want) < 1e-5
