@@ -40,27 +40,9 @@ GROUP = 128
 
 def timed_graph(fn, calls: int, replays: int = 7) -> float:
     """Seconds per call of fn(i) for i in range(calls), captured once in a CUDA graph; median of replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for i in range(min(calls, 3)):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(calls):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    from ember.quant.tuning import graph_seconds
+
+    return graph_seconds(fn, calls, replays)
 
 
 def read_bandwidth() -> tuple[float, float]:

@@ -132,7 +132,7 @@ def _gemv_step(
     # the same activations): loaded so, x lands in the registers of the weights it multiplies; a vector of x
     # broadcast over rows took a trip through shared memory and two barriers per step.
     # ACC8: acc holds one sum per 8 consecutive weights of a row (a thread's own: 8 FMAs in a chain, see
-    # _fma8), an eighth of the registers of one float per weight.
+    # _dot_last8), an eighth of the registers of one float per weight.
     if EVEN_K:
         x = tl.load(x_ptrs)
     else:
@@ -145,7 +145,7 @@ def _gemv_step(
         wf = w.to(tl.float32)
     if ACC8:
         x8 = tl.reshape(xf, shape)
-        acc = _fma8(acc, tl.reshape(wf, shape), x8)
+        acc = _dot_last8(tl.reshape(wf, shape), x8, acc)
     else:
         acc += wf * xf
     if GLU:
@@ -154,35 +154,10 @@ def _gemv_step(
         else:
             wuf = wu.to(tl.float32)
         if ACC8:
-            acc_up = _fma8(acc_up, tl.reshape(wuf, shape), x8)
+            acc_up = _dot_last8(tl.reshape(wuf, shape), x8, acc_up)
         else:
             acc_up += wuf * xf
     return acc, acc_up
-
-
-@triton.jit
-def _fma8(acc, a, b):
-    # acc + sum(a * b) over the last axis, of size 8 and held by one thread, as eight chained FMAs (tl.sum
-    # would multiply and add separately).
-    shape: tl.constexpr = a.shape[:-1]
-    a0, a1 = tl.split(tl.reshape(a, shape + [4, 2]))
-    b0, b1 = tl.split(tl.reshape(b, shape + [4, 2]))
-    a00, a01 = tl.split(tl.reshape(a0, shape + [2, 2]))
-    a10, a11 = tl.split(tl.reshape(a1, shape + [2, 2]))
-    b00, b01 = tl.split(tl.reshape(b0, shape + [2, 2]))
-    b10, b11 = tl.split(tl.reshape(b1, shape + [2, 2]))
-    u, v = tl.split(a00)
-    x, y = tl.split(b00)
-    acc = tl.fma(v, y, tl.fma(u, x, acc))
-    u, v = tl.split(a01)
-    x, y = tl.split(b01)
-    acc = tl.fma(v, y, tl.fma(u, x, acc))
-    u, v = tl.split(a10)
-    x, y = tl.split(b10)
-    acc = tl.fma(v, y, tl.fma(u, x, acc))
-    u, v = tl.split(a11)
-    x, y = tl.split(b11)
-    return tl.fma(v, y, tl.fma(u, x, acc))
 
 
 @triton.jit
@@ -365,9 +340,9 @@ def _factors(sz):
 
 
 @triton.jit
-def _dot_last8(a, b):
-    # sum(a * b) over the last axis, of size 8 and held by one thread (the words' layout), as one multiply and
-    # seven FMAs: tl.sum would multiply and add separately.
+def _dot_last8(a, b, acc=None):
+    # sum(a * b) over the last axis, of size 8 and held by one thread (the words' layout), plus acc if given:
+    # one multiply and seven FMAs (eight FMAs onto acc); tl.sum would multiply and add separately.
     shape: tl.constexpr = a.shape[:-1]
     a0, a1 = tl.split(tl.reshape(a, shape + [4, 2]))
     b0, b1 = tl.split(tl.reshape(b, shape + [4, 2]))
@@ -377,7 +352,10 @@ def _dot_last8(a, b):
     b10, b11 = tl.split(tl.reshape(b1, shape + [2, 2]))
     u, v = tl.split(a00)
     x, y = tl.split(b00)
-    acc = tl.fma(v, y, u * x)
+    if acc is None:
+        acc = tl.fma(v, y, u * x)
+    else:
+        acc = tl.fma(v, y, tl.fma(u, x, acc))
     u, v = tl.split(a01)
     x, y = tl.split(b01)
     acc = tl.fma(v, y, tl.fma(u, x, acc))

@@ -46,7 +46,9 @@ def pick(key: tuple, candidates: Sequence, run: Callable, weights: tuple[torch.T
     best, best_s, error = None, math.inf, None
     for candidate in candidates:
         try:
-            s = _time(lambda i, c=candidate: run(c, copies[i % len(copies)]), max(len(copies), MIN_LAUNCHES))
+            s = graph_seconds(
+                lambda i, c=candidate: run(c, copies[i % len(copies)]), max(len(copies), MIN_LAUNCHES)
+            )
         except Exception as e:  # e.g. a tile that needs more shared memory than this GPU has
             log.debug("GEMV candidate %s for %s failed: %s", candidate, key, e)
             error = e
@@ -71,8 +73,9 @@ def _weight_copies(weights: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor
     return [weights] + [tuple(t.clone() for t in weights) for _ in range(extra)]
 
 
-def _time(call: Callable[[int], None], launches: int) -> float:
-    """Seconds per call of call(i), i < launches, captured in one CUDA graph; median of REPLAYS replays."""
+def graph_seconds(call: Callable[[int], None], launches: int, replays: int = REPLAYS) -> float:
+    """Seconds per call of call(i), i < launches, captured in one CUDA graph; median of `replays` replays.
+    (`benchmarks/gpu_gemv.py` times its sweeps with it too.)"""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -84,7 +87,7 @@ def _time(call: Callable[[int], None], launches: int) -> float:
             call(i)
     graph.replay()
     times = []
-    for _ in range(REPLAYS):
+    for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
