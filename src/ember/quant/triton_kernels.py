@@ -55,12 +55,6 @@ def int8_magic() -> int:
     return 1 if os.environ.get("TRITON_INTERPRET", "0") == "1" else 2
 
 
-def _configs(entries: list[tuple[int, int, int, int]]) -> list[triton.Config]:
-    return [
-        triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s) for bn, bk, w, s in entries
-    ]
-
-
 def _blocks(entries: list[tuple[int, int, int]], **flags) -> list[dict]:
     return [{"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": 1, **flags} for bn, bk, w in entries]
 
@@ -77,17 +71,9 @@ FLOAT_BLOCKS = _blocks([(1, 2048, 8), (2, 2048, 8), (1, 2048, 4), (2, 1024, 4), 
 INT8_BLOCKS = _blocks(
     [(4, 2048, 4), (4, 1024, 4), (8, 1024, 8), (8, 512, 8), (4, 512, 4), (16, 512, 8)]
 ) + _blocks([(4, 2048, 4), (4, 1024, 4), (8, 1024, 8), (4, 512, 4), (8, 512, 8), (16, 512, 8)], ACC8=True)
-INT4_CONFIGS = _configs([(2, 1024, 4, 1), (4, 512, 4, 1), (8, 256, 4, 1), (16, 256, 4, 1), (16, 512, 4, 1)])
-
-
-def _prune_int4(configs, named_args, **kwargs):
-    """A tile must hold whole groups."""
-    group = kwargs.get("GROUP", named_args.get("GROUP"))
-    kept = [c for c in configs if c.kwargs["BLOCK_K"] % group == 0]
-    return kept or [triton.Config({"BLOCK_N": 4, "BLOCK_K": group}, num_warps=4, num_stages=1)]
-
-
-_HEURISTICS = {"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0}
+INT4_BLOCKS = _blocks(
+    [(2, 1024, 4), (4, 512, 4), (8, 256, 4), (16, 256, 4), (16, 512, 4)]
+)  # canonical layout
 
 
 @triton.jit
@@ -471,19 +457,6 @@ def tiled_split(N: int, K: int, group_size: int, block_n: int, rows: int = 1) ->
 TILED_BLOCKS = [  # (BLOCK_N, warps): the best few per Llama-3-8B shape in benchmarks/gpu_gemv.py on an H200
     {"BLOCK_N": bn, "num_warps": w, "num_stages": 1} for bn, w in [(16, 4), (16, 2), (32, 4), (64, 8)]
 ]
-_int4_tuned = triton.autotune(
-    configs=INT4_CONFIGS, key=["N", "K", "GROUP"], prune_configs_by={"early_config_prune": _prune_int4}
-)(triton.heuristics(_HEURISTICS)(_int4_gemv_kernel))
-
-
-def _launch(tuned, plain, blocks: dict | None, M: int, N: int, K: int, args: tuple, **consts) -> None:
-    """Runs the autotuned kernel, or with fixed `blocks` (tile sizes, launch options, kernel flags) the plain
-    one: Triton's interpreter cannot autotune, and the sweep in benchmarks/ picks its own tiles."""
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]) * M,)  # noqa: E731
-    if blocks is None:
-        tuned[grid](*args, **consts)
-    else:
-        plain[grid](*args, **{"EVEN_K": K % blocks["BLOCK_K"] == 0, **consts, **blocks})
 
 
 def float_gemv(x: torch.Tensor, weight: torch.Tensor, blocks: dict | None = None) -> torch.Tensor:
@@ -541,8 +514,16 @@ def int4_gemv(
     """x (M, K) contiguous, qweight uint8 (N, K/2), folded scales (N, K/g) (`kernels.int4_fold_scales`) -> (M, N)."""
     (M, K), N = x.shape, qweight.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    args = (x, qweight, s16, z16, y, N, M, K)
-    _launch(_int4_tuned, _int4_gemv_kernel, blocks, M, N, K, args, GROUP=group_size)
+
+    def run(b: dict, w: tuple[torch.Tensor, ...]) -> None:
+        grid = (triton.cdiv(N, b["BLOCK_N"]) * M,)
+        _int4_gemv_kernel[grid](x, *w, y, N, M, K, GROUP=group_size, **{"EVEN_K": K % b["BLOCK_K"] == 0, **b})
+
+    if blocks is None:  # a tile holds whole groups
+        fits = [b for b in INT4_BLOCKS if b["BLOCK_K"] % group_size == 0]
+        fits = fits or _blocks([(4, group_size, 4)])
+        blocks = tuning.pick(("int4", M, N, K, group_size, x.dtype), fits, run, (qweight, s16, z16))
+    run(blocks, (qweight, s16, z16))
     return y
 
 
@@ -587,8 +568,8 @@ def int4_tiled_gemv(
     `kernels.int4_subnormal_scales` -> (M, N).
 
     Where N gives few programs, K is split (`tiled_split`) and a second kernel adds the partial sums; those
-    launches take fixed tiles (TILED_SPLIT_BLOCKS) instead of picked ones (`ember.quant.tuning`). `blocks` (tile, warps and
-    SPLIT, for benchmarks) fixes them all."""
+    launches take fixed tiles (TILED_SPLIT_BLOCKS) instead of picked ones (`ember.quant.tuning`). `blocks`
+    (tile, warps and SPLIT, for benchmarks) fixes them all."""
     M, K = x.shape
     N = words.shape[0]
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
