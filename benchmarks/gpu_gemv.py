@@ -10,6 +10,7 @@ them), cycling through enough weight copies to defeat the 50 MB L2, median of se
     python benchmarks/gpu_gemv.py --kinds int4 --top 5
     python benchmarks/gpu_gemv.py --kinds int8 int4t tinygemm --rows 4   # batched decoding
     python benchmarks/gpu_gemv.py --kinds int8glu bf16glu --shapes gate_up   # the fused SwiGLU GEMV
+    python benchmarks/gpu_gemv.py --kinds int4mma int4t --shapes qkv o gate_up down   # int4 on tensor cores
 """
 
 from __future__ import annotations
@@ -57,7 +58,13 @@ def read_bandwidth() -> tuple[float, float]:
 def weights_for(kind: str, N: int, K: int, copies: int):
     """A list of `copies` weight tuples for kernel kind, and the bytes one call reads."""
 
-    from ember.quant.kernels import int4_fold_scales, int4_subnormal_scales, int4_tile
+    from ember.quant.kernels import (
+        int4_fold_scales,
+        int4_mma_scales,
+        int4_mma_tile,
+        int4_subnormal_scales,
+        int4_tile,
+    )
     from ember.quant.linear import (
         pack_nibbles,
         quantize_int4_grouped,
@@ -78,6 +85,9 @@ def weights_for(kind: str, N: int, K: int, copies: int):
     elif kind == "int4":
         codes, sc, mn = quantize_int4_grouped(w, GROUP)
         one = (pack_nibbles(codes), *int4_fold_scales(sc, mn, torch.bfloat16))
+    elif kind == "int4mma":
+        codes, sc, mn = quantize_int4_grouped(w, GROUP)
+        one = (int4_mma_tile(pack_nibbles(codes)), int4_mma_scales(sc, mn))
     elif kind == "tinygemm":  # torch's layout, as Ember's int4 module builds it where it picks tinygemm
         codes, sc, mn = quantize_int4_grouped(w, GROUP)
         one = tinygemm_layout(pack_nibbles(codes), sc, mn)
@@ -101,12 +111,31 @@ def kernel_calls(kind: str, x: torch.Tensor, ws, config: dict | None):
     if kind == "int4t":  # {"auto": True}: what the op picks (`ember.quant.tuning`, or a split)
         blocks = None if config and config.get("auto") else config
         return lambda i: tk.int4_tiled_gemv(x, *ws[i % len(ws)], GROUP, blocks=blocks)
+    if kind == "int4mma":  # {"auto": True}: as the module runs it (its split's partials, unsummed)
+        from ember.quant import triton_mma
+
+        N, K = ws[0][0].shape[0], x.shape[1]
+        if config and config.get("auto"):
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+            split = triton_mma.splits(N, K, GROUP, sms)
+            return lambda i: triton_mma.int4_mma_gemv(x, *ws[i % len(ws)], GROUP, split if split > 1 else None)
+        blocks = {k: v for k, v in config.items() if k != "SPLIT"}
+        split = config.get("SPLIT")
+        return lambda i: triton_mma.int4_mma_gemv(x, *ws[i % len(ws)], GROUP, split, blocks=blocks)
     if kind == "tinygemm":
         return lambda i: torch.ops.aten._weight_int4pack_mm(x, ws[i % len(ws)][0], GROUP, ws[i % len(ws)][1])
     raise ValueError(kind)
 
 
 def configs_for(kind: str, K: int) -> list[dict]:
+    if kind == "int4mma":  # warps per program x runs of K's groups (float32 partials, unsummed)
+        groups = K // GROUP
+        return [
+            {"WARPS": w, "num_warps": w, "num_stages": 1, **({"SPLIT": d} if d > 1 else {})}
+            for w in (4, 8)
+            for d in (1, 2, 4, 7, 8, 14, 16, 28, 32)
+            if groups % d == 0
+        ] + [{"auto": True}]
     if kind == "int4t":  # one group per nibble position: the tile is (BLOCK_N, GROUP) words
         return (
             [
@@ -134,7 +163,7 @@ def configs_for(kind: str, K: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kinds", nargs="*", default=["bf16", "int8", "int4", "int4t", "tinygemm"])
+    ap.add_argument("--kinds", nargs="*", default=["bf16", "int8", "int4", "int4t", "int4mma", "tinygemm"])
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES))
     ap.add_argument("--top", type=int, default=4, help="rows per (kind, shape) in the table")
     ap.add_argument("--rows", type=int, default=1, help="activation rows per call (batched decoding)")
@@ -149,6 +178,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.check:
         check_modules()
+        check_int4_mma()
         check_int4_tiled()
     t_start = time.perf_counter()
     read, copy = read_bandwidth()
@@ -270,6 +300,38 @@ def check_int4_tiled() -> None:
         f"check int4 tiled GEMV: worst relative error {worst:.2e} (x of size 1, 3e4, 1e-6; 0 exact)",
         flush=True,
     )
+
+
+def check_int4_mma() -> None:
+    """The tensor-core int4 GEMV against float math on its dequantized weights (s and min rounded to bf16), at
+    1, 3 and 8 rows (one per mma column), each group size it takes, with and without K split, for activations
+    of ordinary, large and tiny size and zero."""
+    from ember.quant import triton_mma
+    from ember.quant.kernels import int4_mma_scales, int4_mma_tile
+    from ember.quant.linear import pack_nibbles, quantize_int4_grouped
+
+    worst = 0.0
+    for (N, K), g in itertools.product([(4096, 4096), (6144, 14336), (1040, 1024)], [64, 128, 256]):
+        codes, sc, mn = quantize_int4_grouped(torch.randn(N, K, device="cuda") * 0.02, g)
+        words, sz = int4_mma_tile(pack_nibbles(codes)), int4_mma_scales(sc, mn)
+        s, m = sc.to(torch.bfloat16).float(), mn.to(torch.bfloat16).float()
+        w = (codes.reshape(N, -1, g).float() * s[..., None] + m[..., None]).reshape(N, K)
+        for rows, amp in itertools.product((1, 3, 8), (1.0, 3e4, 1e-6, 0.0)):
+            x = (torch.randn(rows, K, device="cuda") * amp).to(torch.bfloat16)
+            want = x.float() @ w.T
+            for warps, split in [(4, None), (8, 2), (4, 4)]:
+                if split and (K // g) % split:
+                    continue
+                blocks = {"WARPS": warps, "num_warps": warps, "num_stages": 1}
+                got = triton_mma.int4_mma_gemv(x, words, sz, g, split, blocks=blocks).float()
+                got = got.sum(0) if split else got
+                if amp == 0.0:
+                    assert bool((got == 0).all()), (N, K, g, rows, split)
+                    continue
+                err = float((got - want).norm() / want.norm())
+                worst = max(worst, err)
+                assert err < 1e-2, (N, K, g, rows, amp, split, err)
+    print(f"check int4 mma GEMV: worst relative error {worst:.2e} (1/3/8 rows; x of size 1, 3e4, 1e-6; 0 exact)")
 
 
 def compile_in_parallel(kind: str, x: torch.Tensor, ws, configs: list[dict]) -> None:

@@ -108,6 +108,61 @@ def int4_untile(words: torch.Tensor, group_size: int) -> torch.Tensor:
     return codes.transpose(2, 3).reshape(N, -1).to(torch.uint8)
 
 
+def int4_mma_fits(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether the tensor-core int4 layout (`int4_mma_tile`) holds these weights: rows in tiles of 16, K in
+    steps of 64, and groups of whole steps (a step's 64 weights of a row are summed by 4 mma together)."""
+    return out_features % 16 == 0 and in_features % 64 == 0 and group_size % 64 == 0
+
+
+def int4_mma_tile(qweight: torch.Tensor) -> torch.Tensor:
+    """Canonical packed codes uint8 (N, K/2) -> int32 words (N, K/8) in the fragment layout of the tensor-core
+    GEMV (`ember.quant.triton_mma`).
+
+    Rows go in tiles of 16 and K in steps of 64; a (tile, step) block is 128 words, 4 per lane of a warp, in
+    lane order, so a warp reads it with one 16-byte load per lane. Word m of lane (g, q) (g = lane // 4,
+    q = lane % 4) holds the A operand of the step's m-th mma.m16n8k16: weights of rows g and g + 8 at
+    k = 64s + 16q + 4m + {0, 1, 2, 3}, nibble (4e + r + 2h) (bits 16e + 4r + 8h) being row g + 8r at
+    k = 64s + 16q + 4m + 2h + e. Lane (g, q) takes activations 16q..16q+15 of the step, contiguous, and a mask
+    of 0x000F000F after a shift by 0, 4, 8 or 12 leaves the two nibbles of one A register in place.
+    """
+    N, K = qweight.shape[0], qweight.shape[1] * 2
+    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).to(torch.int64)
+    codes = codes.reshape(N // 16, 2, 8, K // 64, 4, 4, 2, 2)  # (tile, r, g, step, q, m, h, e)
+    codes = codes.permute(0, 3, 2, 4, 5, 1, 6, 7)  # (tile, step, g, q, m, r, h, e)
+    i = torch.arange(2, device=qweight.device)
+    shifts = 4 * i.view(2, 1, 1) + 8 * i.view(1, 2, 1) + 16 * i.view(1, 1, 2)
+    words = (codes << shifts).sum((-3, -2, -1))  # disjoint bits: the sum is an or
+    words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement for int32
+    return words.to(torch.int32).reshape(N, K // 8)
+
+
+def int4_mma_untile(words: torch.Tensor) -> torch.Tensor:
+    """The inverse of `int4_mma_tile`, unpacked: int32 words (N, K/8) -> codes uint8 (N, K)."""
+    N, K = words.shape[0], words.shape[1] * 8
+    i = torch.arange(2, device=words.device)
+    shifts = 4 * i.view(2, 1, 1) + 8 * i.view(1, 2, 1) + 16 * i.view(1, 1, 2)  # (r, h, e)
+    w = words.reshape(N // 16, K // 64, 8, 4, 4, 1, 1, 1)  # (tile, step, g, q, m, r, h, e)
+    codes = (w >> shifts) & 0xF
+    return codes.permute(0, 5, 2, 1, 3, 4, 6, 7).reshape(N, K).to(torch.uint8)
+
+
+def int4_mma_scales(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """(scales, mins) (N, K/g) of w = q*s + min -> int32 (N, K/g): s as bf16 in the high half, min in the low."""
+    hi = scales.to(torch.bfloat16).view(torch.int16).to(torch.int32) << 16
+    lo = mins.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return hi | lo
+
+
+def int4_mma_dequantize(words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`int4_mma_tile` words and `int4_mma_scales` factors -> the float32 weights (N, K): q * s + min, with s
+    and min as rounded to bf16."""
+    N = words.shape[0]
+    codes = int4_mma_untile(words).reshape(N, -1, group_size).float()  # (N, K/g, g)
+    s = (sz & -65536).view(torch.float32)
+    z = (sz << 16).view(torch.float32)
+    return (codes * s[..., None] + z[..., None]).reshape(N, -1)
+
+
 def int4_linear_reference(
     x: torch.Tensor, qweight: torch.Tensor, s16: torch.Tensor, z16: torch.Tensor, group_size: int
 ) -> torch.Tensor:
@@ -307,3 +362,65 @@ def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int):
     if x.shape[0] <= TILED_GEMV_MAX_ROWS:
         return triton_kernels.int4_tiled_gemv(x.contiguous(), words, sz, group_size)
     return F.linear(x, triton_kernels.int4_tiled_dequantize(words, sz, group_size, x.dtype))
+
+
+def int4_mma_linear_reference(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
+    """x (M, K), `int4_mma_tile` words and `int4_mma_scales` factors -> (M, N) in x's dtype."""
+    return F.linear(x, int4_mma_dequantize(words, sz, group_size).to(x.dtype))
+
+
+@torch.library.custom_op("ember::int4_mma_linear", mutates_args=())
+def int4_mma_linear(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
+    """`int4_mma_linear_reference`; on CUDA the tensor-core GEMV up to 8 rows (`triton_mma.int4_mma_gemv`) and,
+    for more, a Triton dequantize to the activation dtype and torch's matmul."""
+    return int4_mma_linear_reference(x, words, sz, group_size)
+
+
+@int4_mma_linear.register_fake
+def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int):
+    return x.new_empty(x.shape[0], words.shape[0])
+
+
+@int4_mma_linear.register_kernel("cuda")
+def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int):
+    if not HAS_TRITON:
+        return int4_mma_linear_reference(x, words, sz, group_size)
+    from ember.quant import triton_mma
+
+    if x.shape[0] <= triton_mma.MAX_ROWS:
+        return triton_mma.int4_mma_linear(x.contiguous(), words, sz, group_size)
+    return F.linear(x, triton_mma.int4_mma_dequantize(words, sz, group_size, x.dtype))
+
+
+def int4_mma_partials_reference(
+    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int
+) -> torch.Tensor:
+    """x (M, K), mma words and factors -> (splits, M, N) float32: x @ w.T over each of `splits` equal runs of K."""
+    w = int4_mma_dequantize(words, sz, group_size)
+    run = x.shape[1] // splits
+    xf = x.float()
+    return torch.stack([xf[:, i * run : (i + 1) * run] @ w[:, i * run : (i + 1) * run].T for i in range(splits)])
+
+
+@torch.library.custom_op("ember::int4_mma_partials", mutates_args=())
+def int4_mma_partials(
+    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int
+) -> torch.Tensor:
+    """`int4_mma_partials_reference`; on CUDA the tensor-core GEMV over `splits` runs of K, unsummed."""
+    return int4_mma_partials_reference(x, words, sz, group_size, splits)
+
+
+@int4_mma_partials.register_fake
+def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int):
+    return x.new_empty(splits, x.shape[0], words.shape[0], dtype=torch.float32)
+
+
+@int4_mma_partials.register_kernel("cuda")
+def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int):
+    if not HAS_TRITON:
+        return int4_mma_partials_reference(x, words, sz, group_size, splits)
+    from ember.quant import triton_mma
+
+    if x.shape[0] > triton_mma.MAX_ROWS:
+        return int4_mma_partials_reference(x, words, sz, group_size, splits)
+    return triton_mma.int4_mma_gemv(x.contiguous(), words, sz, group_size, splits)
