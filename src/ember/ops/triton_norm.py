@@ -69,8 +69,10 @@ def add_rms_norm(
     splits = delta.shape[0] if delta.dim() == x.dim() + 1 else 0
     h, out = torch.empty_like(x), torch.empty_like(x)
     BLOCK_E = triton.next_power_of_2(E)
+    # One program reads a row's S partials: with more warps, more of those loads are in flight at once.
+    warps = min(32, max(1, BLOCK_E // 128)) if splits > 4 else min(16, max(1, BLOCK_E // 512))
     _add_rms_norm_kernel[(x.numel() // E,)](
         x, delta, weight, h, out, eps, offset, x.numel(), E=E, BLOCK_E=BLOCK_E, OFFSET=offset != 0.0, SPLITS=splits,
-        num_warps=min(16, max(1, BLOCK_E // 512)), **launch_options(x.device),
+        num_warps=warps, **launch_options(x.device),
     )  # fmt: skip
     return h, out

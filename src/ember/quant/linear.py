@@ -195,7 +195,13 @@ class Int4WeightOnlyLinear(QuantLinear):
         """Picks the kernel for this device, dtype and shape and builds its layout (a second copy of the codes;
         the canonical one stays the state dict):
 
-        - "tiled": on CUDA where K splits into tiles of 8 groups (`kernels.int4_tiles`), Ember's tiled GEMV
+        - "mma": on CUDA from sm80 on, bf16, where the tensor-core layout holds the weights
+          (`kernels.int4_mma_fits`: groups of 64 or more), Ember's tensor-core GEMV up to 8 rows
+          (`ember.quant.triton_mma`; K split into `triton_mma.splits` runs where N is small), a Triton
+          dequantize and torch's matmul for more. On an H200 it reads Llama-3-8B's projections in 57-77% of
+          the tiled kernel's time, and the compiled int4-g128 step decodes 439 tok/s against 405 (BENCHMARKS.md).
+        - "tiled": on CUDA for the rest (groups of 32; other GPUs) where K splits into tiles of 8 groups
+          (`kernels.int4_tiles`), Ember's tiled GEMV
           (`ember.quant.kernels.int4_tiled_linear`; codes read as subnormal floats, K split where N is small);
           more than a few rows (prefill) dequantize in one Triton pass for torch's matmul. On an H200 it reads
           every Llama-3-8B projection at one row as fast as torch's tinygemm or faster (gate/up 26.2 vs 33.8
@@ -211,6 +217,13 @@ class Int4WeightOnlyLinear(QuantLinear):
         cuda_ok = self.dtype == torch.bfloat16 and self.out_features % 8 == 0 and inner is not None
         if dev.type == "cpu":
             self._kernel = "tinygemm"
+        elif (
+            dev.type == "cuda"
+            and self.dtype == torch.bfloat16
+            and kernels.int4_mma_fits(self.out_features, self.in_features, self.group_size)
+            and torch.cuda.get_device_capability(dev) >= (8, 0)
+        ):
+            self._kernel = "mma"
         elif kernels.int4_tiles(self.in_features, self.group_size):
             self._kernel = "tiled"
         else:
@@ -219,6 +232,14 @@ class Int4WeightOnlyLinear(QuantLinear):
             packed, sz = tinygemm_layout(self.qweight, self.scales, self.mins, inner or 8)
             self.register_buffer("_packed", packed, persistent=False)
             self.register_buffer("_sz", sz, persistent=False)
+        elif self._kernel == "mma":
+            self.register_buffer("_words", kernels.int4_mma_tile(self.qweight), persistent=False)
+            self.register_buffer("_msz", kernels.int4_mma_scales(self.scales, self.mins), persistent=False)
+            if kernels.HAS_TRITON:
+                from ember.quant import triton_mma
+
+                sms = torch.cuda.get_device_properties(dev).multi_processor_count
+                self._splits = triton_mma.splits(self.out_features, self.in_features, self.group_size, sms)
         elif self._kernel == "tiled":
             self.register_buffer("_words", kernels.int4_tile(self.qweight, self.group_size), persistent=False)
             self.register_buffer(
@@ -238,6 +259,7 @@ class Int4WeightOnlyLinear(QuantLinear):
         """What one row reads (a decode step's bytes)."""
         kinds = {
             "tinygemm": ("_packed", "_sz"),
+            "mma": ("_words", "_msz"),
             "tiled": ("_words", "_tsz"),
             "triton": ("qweight", "_s16", "_z16"),
         }
@@ -249,14 +271,19 @@ class Int4WeightOnlyLinear(QuantLinear):
         splits = self._splits
         if splits > 1 and self.bias is None and x.is_cuda and x.numel() == x.shape[-1]:
             x2 = x.reshape(1, self.in_features)
-            parts = kernels.int4_tiled_partials(x2, self._words, self._tsz, self.group_size, splits)
+            if self._kernel == "mma":
+                parts = kernels.int4_mma_partials(x2, self._words, self._msz, self.group_size, splits)
+            else:
+                parts = kernels.int4_tiled_partials(x2, self._words, self._tsz, self.group_size, splits)
             return kernels.SplitSum(parts.reshape(splits, *x.shape[:-1], self.out_features))
         return self(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # (M, K)
-        if self._kernel == "tiled":
+        if self._kernel == "mma":
+            y = kernels.int4_mma_linear(x2, self._words, self._msz, self.group_size)
+        elif self._kernel == "tiled":
             y = kernels.int4_tiled_linear(x2, self._words, self._tsz, self.group_size)
         elif self._kernel == "tinygemm":
             # bf16 activations: the only dtype of the CUDA kernel, and the CPU kernel's float32 path is not
