@@ -116,9 +116,10 @@ def kernel_calls(kind: str, x: torch.Tensor, ws, config: dict | None):
 
         N, K = ws[0][0].shape[0], x.shape[1]
         if config and config.get("auto"):
-            sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-            split = triton_mma.splits(N, K, GROUP, sms)
-            return lambda i: triton_mma.int4_mma_gemv(x, *ws[i % len(ws)], GROUP, split if split > 1 else None)
+            split = triton_mma.splits(N, K, GROUP, triton_mma.multiprocessors(x.device))
+            return lambda i: triton_mma.int4_mma_gemv(
+                x, *ws[i % len(ws)], GROUP, split if split > 1 else None
+            )
         blocks = {k: v for k, v in config.items() if k != "SPLIT"}
         split = config.get("SPLIT")
         return lambda i: triton_mma.int4_mma_gemv(x, *ws[i % len(ws)], GROUP, split, blocks=blocks)
@@ -331,7 +332,9 @@ def check_int4_mma() -> None:
                 err = float((got - want).norm() / want.norm())
                 worst = max(worst, err)
                 assert err < 1e-2, (N, K, g, rows, amp, split, err)
-    print(f"check int4 mma GEMV: worst relative error {worst:.2e} (1/3/8 rows; x of size 1, 3e4, 1e-6; 0 exact)")
+    print(
+        f"check int4 mma GEMV: worst relative error {worst:.2e} (1/3/8 rows; x of size 1, 3e4, 1e-6; 0 exact)"
+    )
 
 
 def compile_in_parallel(kind: str, x: torch.Tensor, ws, configs: list[dict]) -> None:

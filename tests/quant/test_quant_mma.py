@@ -88,7 +88,9 @@ def emulate(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group: int) 
     return acc.permute(2, 0, 1).reshape(8, N)[:M]
 
 
-@pytest.mark.parametrize("N,K,group,M", [(32, 128, 64, 1), (16, 256, 128, 3), (48, 512, 256, 8), (32, 256, 64, 5)])
+@pytest.mark.parametrize(
+    "N,K,group,M", [(32, 128, 64, 1), (16, 256, 128, 3), (48, 512, 256, 8), (32, 256, 64, 5)]
+)
 def test_the_mma_fragments_give_float_math(N, K, group, M):
     codes, words, sz, dense = quantized(N, K, group)
     x = torch.randn(M, K).to(torch.bfloat16)
@@ -177,7 +179,9 @@ def test_the_mma_kernel_compiles_for_hopper_with_no_shared_memory_in_its_loop():
         pytest.skip(f"cannot compile for sm90 here: {result['skip']}")
     ptx = result["ptx"]
     assert result["cubin"] > 0
-    assert ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 16  # 2 steps x 4 x (codes, ones)
+    assert (
+        ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 16
+    )  # 2 steps x 4 x (codes, ones)
     first = ptx.index("mma.sync")
     label = re.findall(r"^(\$L__BB\w+):", ptx[:first], re.M)[-1]  # the loop's head
     back = [m.start() for m in re.finditer(rf"bra(\.uni)?\s+{re.escape(label)};", ptx)][-1]

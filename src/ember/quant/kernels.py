@@ -364,7 +364,9 @@ def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int):
     return F.linear(x, triton_kernels.int4_tiled_dequantize(words, sz, group_size, x.dtype))
 
 
-def int4_mma_linear_reference(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
+def int4_mma_linear_reference(
+    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """x (M, K), `int4_mma_tile` words and `int4_mma_scales` factors -> (M, N) in x's dtype."""
     return F.linear(x, int4_mma_dequantize(words, sz, group_size).to(x.dtype))
 
@@ -399,7 +401,9 @@ def int4_mma_partials_reference(
     w = int4_mma_dequantize(words, sz, group_size)
     run = x.shape[1] // splits
     xf = x.float()
-    return torch.stack([xf[:, i * run : (i + 1) * run] @ w[:, i * run : (i + 1) * run].T for i in range(splits)])
+    return torch.stack(
+        [xf[:, i * run : (i + 1) * run] @ w[:, i * run : (i + 1) * run].T for i in range(splits)]
+    )
 
 
 @torch.library.custom_op("ember::int4_mma_partials", mutates_args=())

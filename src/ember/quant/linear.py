@@ -238,8 +238,8 @@ class Int4WeightOnlyLinear(QuantLinear):
             if kernels.HAS_TRITON:
                 from ember.quant import triton_mma
 
-                sms = torch.cuda.get_device_properties(dev).multi_processor_count
-                self._splits = triton_mma.splits(self.out_features, self.in_features, self.group_size, sms)
+                N, K, g = self.out_features, self.in_features, self.group_size
+                self._splits = triton_mma.splits(N, K, g, triton_mma.multiprocessors(dev))
         elif self._kernel == "tiled":
             self.register_buffer("_words", kernels.int4_tile(self.qweight, self.group_size), persistent=False)
             self.register_buffer(

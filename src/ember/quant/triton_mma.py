@@ -71,7 +71,12 @@ STEP_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 12 + ["f"] * 8))
 def _mma_step(words, xa, xb, c, xs):
     # words, xa, xb, c, xs: (U, L) with 4 consecutive elements per lane (one pack): -> (C, X) as c and xs.
     return tl.inline_asm_elementwise(
-        STEP_ASM, STEP_CONSTRAINTS, [words, xa, xb, c, xs], dtype=(tl.float32, tl.float32), is_pure=True, pack=4
+        STEP_ASM,
+        STEP_CONSTRAINTS,
+        [words, xa, xb, c, xs],
+        dtype=(tl.float32, tl.float32),
+        is_pure=True,
+        pack=4,
     )
 
 
@@ -155,6 +160,10 @@ def _int4_mma_kernel(
 WARPS = ({"WARPS": 4, "num_warps": 4, "num_stages": 1}, {"WARPS": 8, "num_warps": 8, "num_stages": 1})
 
 
+def multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 @functools.cache
 def splits(N: int, K: int, group_size: int, multiprocessors: int) -> int:
     """Runs of groups each row's K is cut into: the fewest that give every multiprocessor WARPS_PER_SM
@@ -166,7 +175,11 @@ def splits(N: int, K: int, group_size: int, multiprocessors: int) -> int:
 
 
 def int4_mma_gemv(
-    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, split: int | None = None,
+    x: torch.Tensor,
+    words: torch.Tensor,
+    sz: torch.Tensor,
+    group_size: int,
+    split: int | None = None,
     blocks: dict | None = None,
 ) -> torch.Tensor:
     """x (M, K) bf16 contiguous, M <= MAX_ROWS; words int32 (N, K/8) (`kernels.int4_mma_tile`), sz int32
@@ -199,7 +212,7 @@ def int4_mma_linear(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, grou
     """y (M, N) in x's dtype: `int4_mma_gemv` over `splits` runs of K where N is small, the partial sums added
     by a second kernel (launched with PDL, like the GEMV)."""
     (M, K), N = x.shape, words.shape[0]
-    split = splits(N, K, group_size, torch.cuda.get_device_properties(x.device).multi_processor_count)
+    split = splits(N, K, group_size, multiprocessors(x.device))
     if split == 1:
         return int4_mma_gemv(x, words, sz, group_size)
     from ember.quant.triton_kernels import _sum_splits_kernel
@@ -207,7 +220,9 @@ def int4_mma_linear(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, grou
     part = int4_mma_gemv(x, words, sz, group_size, split)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     BLOCK = 1024
-    _sum_splits_kernel[(triton.cdiv(M * N, BLOCK),)](part, y, M * N, SPLIT=split, BLOCK=BLOCK, **launch_options(x.device))
+    _sum_splits_kernel[(triton.cdiv(M * N, BLOCK),)](
+        part, y, M * N, SPLIT=split, BLOCK=BLOCK, **launch_options(x.device)
+    )
     return y
 
 
@@ -232,7 +247,9 @@ def _int4_mma_dequant_kernel(w_ptr, sz_ptr, out_ptr, K: tl.constexpr, GROUP: tl.
     tl.store(out_ptr + rows.to(tl.int64) * K + k, w.to(out_ptr.dtype.element_ty))
 
 
-def int4_mma_dequantize(words: torch.Tensor, sz: torch.Tensor, group_size: int, dtype: torch.dtype) -> torch.Tensor:
+def int4_mma_dequantize(
+    words: torch.Tensor, sz: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
     """The weights (N, K) in `dtype` of `int4_mma_gemv`'s words and factors (prefill: one pass, then a matmul)."""
     N, K = words.shape[0], words.shape[1] * 8
     out = torch.empty(N, K, device=words.device, dtype=dtype)
