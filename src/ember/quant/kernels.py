@@ -385,7 +385,7 @@ def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int):
 
 @int4_mma_linear.register_kernel("cuda")
 def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int):
-    if not HAS_TRITON:
+    if not HAS_TRITON or x.dtype != torch.bfloat16:  # the mma multiplies bf16
         return int4_mma_linear_reference(x, words, sz, group_size)
     from ember.quant import triton_mma
 
@@ -421,7 +421,7 @@ def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, s
 
 @int4_mma_partials.register_kernel("cuda")
 def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int):
-    if not HAS_TRITON:
+    if not HAS_TRITON or x.dtype != torch.bfloat16:
         return int4_mma_partials_reference(x, words, sz, group_size, splits)
     from ember.quant import triton_mma
 

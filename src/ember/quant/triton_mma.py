@@ -189,6 +189,10 @@ def int4_mma_gemv(
     (M, K), N = x.shape, words.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"the int4 mma GEMV serves up to {MAX_ROWS} rows, not {M}")
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"the int4 mma GEMV multiplies bf16 activations, not {x.dtype}")
+    if x.data_ptr() % 16:  # a view that starts mid-vector: the kernel reads x in 16-byte pieces
+        x = x.clone()
     if split is not None and (K // group_size) % split:
         raise ValueError(f"split={split} does not divide the {K // group_size} groups of a row")
     out = (
