@@ -194,3 +194,23 @@ def test_silu_gate_up_gemv_matches_the_unfused_ops_in_interpreter(int8, acc8):
     want = silu_gate_up_reference(x, weight, scales)
     assert got.shape == (1, I)
     assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton (runs in its interpreter)"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_of_split_partials_matches_summing_then_the_activation_in_interpreter(dtype):
+    from ember.quant import triton_kernels as tk
+    from ember.quant.kernels import silu_mul_partials_reference
+
+    parts = torch.randn(4, 3, 2 * 1500) * 3  # 4 runs of K, 3 rows, I = 1500 (the last block is partial)
+    got = tk.silu_mul_partials(parts, dtype)
+    want = silu_mul_partials_reference(parts, dtype)
+    assert got.shape == (3, 1500) and got.dtype == dtype
+    # float32: the same arithmetic. bf16: Triton's interpreter rounds to bf16 by truncation (a GPU rounds to
+    # nearest), up to a step at each of the kernel's three roundings.
+    assert rel_err(got, want) < (1e-6 if dtype == torch.float32 else 3e-2)
+    assert rel_err(want, torch.ops.ember.silu_mul_partials(parts, dtype)) == 0
+    gate, up = parts.sum(0).chunk(2, dim=-1)
+    assert rel_err(want.float(), torch.nn.functional.silu(gate) * up) < 1e-2

@@ -53,10 +53,17 @@ def silu_gate_up(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a fused gate/up projection `module` (gate rows over up rows); x (..., K) -> (..., I).
 
     One row on CUDA through a module with float or int8 weights and no bias (`gemv_operands`) runs as one GEMV
-    that applies the activation as it stores; anything else runs the projection, then the activation.
+    that applies the activation as it stores; where the module's GEMV splits K (int4, `split_forward`), one
+    kernel adds its partial sums and applies the activation; anything else runs the projection, then the
+    activation.
     """
-    operands = module.gemv_operands() if one_row_on_cuda(x) and hasattr(module, "gemv_operands") else None
-    if operands is None:
-        gate, up = module(x).chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return kernels.silu_gate_up(x.reshape(1, -1), *operands).reshape(*x.shape[:-1], -1)
+    one_row = one_row_on_cuda(x)
+    operands = module.gemv_operands() if one_row and hasattr(module, "gemv_operands") else None
+    if operands is not None:
+        return kernels.silu_gate_up(x.reshape(1, -1), *operands).reshape(*x.shape[:-1], -1)
+    y = project(module, x, split=one_row)
+    if isinstance(y, kernels.SplitSum):  # a split GEMV's partials: summed by the activation's kernel
+        parts = y.parts.reshape(y.parts.shape[0], 1, -1)
+        return kernels.silu_mul_partials(parts, x.dtype).reshape(*x.shape[:-1], -1)
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -10,6 +10,8 @@ with factors from `int4_subnormal_scales`), and return y (M, N) in x's dtype.
   over `splits` runs of K, left for the consumer to add (`SplitSum`).
 - `ember::silu_gate_up(x, weight, scales)`: a fused gate/up projection and SwiGLU's silu(gate) * up in one
   GEMV (float or int8 weights; decode on CUDA, chosen by `ember.ops.linear.silu_gate_up`).
+- `ember::silu_mul_partials(parts, dtype)`: silu(gate) * up of a split gate/up GEMV's float32 partials
+  (int4), summing them as it loads them.
 - CUDA, M <= 8 (decode): Triton GEMV kernels that read each weight byte once and dequantize in registers.
   Decoding one stream is bound by reading weights, so int8 reads half the bytes of bf16 and int4 a quarter;
   torch's bf16 matmul with a separate dequantize would read the weights twice and write them once.
@@ -298,16 +300,48 @@ class SplitSum(NamedTuple):
         return acc.to(dtype)
 
 
-def int4_tiled_partials_reference(
-    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int
-) -> torch.Tensor:
-    """x (M, K), tiled words and factors -> (splits, M, N) float32: x @ w.T over each of `splits` equal runs of K."""
-    w = int4_tiled_dequantize(words, sz, group_size)
+def silu_mul_partials_reference(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """parts (S, M, 2I) float32 partial sums of a fused gate/up projection -> silu(gate) * up (M, I) in `dtype`:
+    the sums added and rounded as `SplitSum.total` does, then the activation as `silu_gate_up_reference`."""
+    gate, up = SplitSum(parts).total(dtype).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@torch.library.custom_op("ember::silu_mul_partials", mutates_args=())
+def silu_mul_partials(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`silu_mul_partials_reference`; on CUDA one Triton kernel (launched with PDL) in place of a sum pass and
+    an activation kernel."""
+    return silu_mul_partials_reference(parts, dtype)
+
+
+@silu_mul_partials.register_fake
+def _(parts: torch.Tensor, dtype: torch.dtype):
+    return parts.new_empty(parts.shape[1], parts.shape[2] // 2, dtype=dtype)
+
+
+@silu_mul_partials.register_kernel("cuda")
+def _(parts: torch.Tensor, dtype: torch.dtype):
+    if not HAS_TRITON or not parts.is_contiguous():
+        return silu_mul_partials_reference(parts, dtype)
+    from ember.quant import triton_kernels
+
+    return triton_kernels.silu_mul_partials(parts, dtype)
+
+
+def split_k_partials(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Tensor:
+    """x (M, K), float32 weights (N, K) -> (splits, M, N) float32: x @ w.T over each of `splits` equal runs of K."""
     run = x.shape[1] // splits
     xf = x.float()
     return torch.stack(
         [xf[:, i * run : (i + 1) * run] @ w[:, i * run : (i + 1) * run].T for i in range(splits)]
     )
+
+
+def int4_tiled_partials_reference(
+    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int
+) -> torch.Tensor:
+    """x (M, K), tiled words and factors -> (splits, M, N) float32: x @ w.T over each of `splits` equal runs of K."""
+    return split_k_partials(x, int4_tiled_dequantize(words, sz, group_size), splits)
 
 
 @torch.library.custom_op("ember::int4_tiled_partials", mutates_args=())
@@ -398,12 +432,7 @@ def int4_mma_partials_reference(
     x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int
 ) -> torch.Tensor:
     """x (M, K), mma words and factors -> (splits, M, N) float32: x @ w.T over each of `splits` equal runs of K."""
-    w = int4_mma_dequantize(words, sz, group_size)
-    run = x.shape[1] // splits
-    xf = x.float()
-    return torch.stack(
-        [xf[:, i * run : (i + 1) * run] @ w[:, i * run : (i + 1) * run].T for i in range(splits)]
-    )
+    return split_k_partials(x, int4_mma_dequantize(words, sz, group_size), splits)
 
 
 @torch.library.custom_op("ember::int4_mma_partials", mutates_args=())
