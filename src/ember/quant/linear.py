@@ -199,7 +199,7 @@ class Int4WeightOnlyLinear(QuantLinear):
           (`kernels.int4_mma_fits`: groups of 64 or more), Ember's tensor-core GEMV up to 8 rows
           (`ember.quant.triton_mma`; K split into `triton_mma.splits` runs where N is small), a Triton
           dequantize and torch's matmul for more. On an H200 it reads Llama-3-8B's projections in 57-77% of
-          the tiled kernel's time, and the compiled int4-g128 step decodes 439 tok/s against 405 (BENCHMARKS.md).
+          the tiled kernel's time, and the compiled int4-g128 step decodes 443 tok/s against 405 (BENCHMARKS.md).
         - "tiled": on CUDA for the rest (groups of 32; other GPUs) where K splits into tiles of 8 groups
           (`kernels.int4_tiles`), Ember's tiled GEMV
           (`ember.quant.kernels.int4_tiled_linear`; codes read as subnormal floats, K split where N is small);

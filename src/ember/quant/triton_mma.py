@@ -15,7 +15,8 @@ cores multiply, and a weight costs under one instruction:
   then s * sum((128 + q) x) + (min - 128 s) * sum(x), two FMAs per group and row in float32 (s, min: the
   group's factors, bf16, `kernels.int4_mma_scales`), the products being exact and the sums float32.
 - Where N gives few warps (one per 16 rows), K is split into runs of groups and the float32 partial sums are
-  left for the consumer (the next add + RMSNorm: `kernels.SplitSum`) or added by a second kernel.
+  left for the consumer (the next add + RMSNorm, or SwiGLU's activation: `kernels.SplitSum`) or added by a
+  second kernel.
 
 Triton runs the PTX as an elementwise op over tensors whose every lane holds 4 consecutive elements (4
 registers): the kernel's tensors are laid out so that those are the fragments, and the scale factors are
