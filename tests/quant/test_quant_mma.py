@@ -121,6 +121,34 @@ def test_the_mma_layout_needs_tiles_steps_and_whole_step_groups():
 
 
 @needs_triton
+@pytest.mark.parametrize("group,M", [(64, 1), (128, 3), (256, 8)])
+def test_the_mma_kernel_matches_float_math_in_the_interpreter(group, M):
+    """The kernel itself (its loads, masks, K runs, rows and stores), with its mma step emulated in tensor ops
+    (`triton_mma._mma_step_emulated`; Triton's interpreter runs no PTX): 3 tiles for programs of 4 and 2
+    warps (warps past the last tile store nothing), K whole or split."""
+    from ember.quant import triton_mma
+
+    N, K = 48, 512
+    _, words, sz, dense = quantized(N, K, group, seed=3)
+    x = torch.randn(M, K).to(torch.bfloat16)
+    want = x.double() @ dense.T
+    for warps in (4, 2):
+        blocks = {"WARPS": warps, "num_warps": warps}
+        got = triton_mma.int4_mma_gemv(x, words, sz, group, blocks=blocks)
+        assert got.shape == (M, N) and got.dtype == torch.bfloat16
+        assert rel_err(got, want) < 1e-2  # bf16 output (the interpreter truncates to bf16)
+        parts = triton_mma.int4_mma_gemv(x, words, sz, group, split=2, blocks=blocks)
+        assert parts.shape == (2, M, N) and parts.dtype == torch.float32
+        # float32 sums of (128 + q) x, less 128 sum(x): the cancellation costs a few bits of float32
+        assert rel_err(parts[0], x[:, : K // 2].double() @ dense[:, : K // 2].T) < 2e-5
+        assert rel_err(parts.sum(0), want) < 2e-5
+    # split into runs (the interpreter counts one multiprocessor), partials added by the sum kernel
+    assert triton_mma.splits(N, K, group, triton_mma.multiprocessors(x.device)) > 1
+    assert rel_err(triton_mma.int4_mma_linear(x, words, sz, group), want) < 1e-2
+    assert torch.equal(triton_mma.int4_mma_gemv(x * 0, words, sz, group), x.new_zeros(M, N))
+
+
+@needs_triton
 def test_the_prefill_dequantize_kernel_writes_the_layouts_weights_in_the_interpreter():
     from ember.quant import triton_mma
 
@@ -147,8 +175,8 @@ from triton.compiler import ASTSource
 from ember.quant import triton_mma
 
 sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "y_ptr": "*bf16", "N": "i32", "M": "i32"}
-sig |= {k: "constexpr" for k in ("K", "GROUP", "WARPS", "SPLIT", "PDL")}
-consts = {"K": 4096, "GROUP": 128, "WARPS": 4, "SPLIT": 1, "PDL": True}
+sig |= {k: "constexpr" for k in ("K", "GROUP", "WARPS", "SPLIT", "PDL", "EMULATE")}
+consts = {"K": 4096, "GROUP": 128, "WARPS": 4, "SPLIT": 1, "PDL": True, "EMULATE": False}
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
 src = ASTSource(triton_mma._int4_mma_kernel, sig, consts, attrs=attrs)
 try:

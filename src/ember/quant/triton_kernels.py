@@ -444,24 +444,25 @@ def _silu_mul_partials_kernel(
     part_ptr,
     y_ptr,
     MI,
-    I,
+    INTER,
     SPLIT: tl.constexpr,
     BLOCK: tl.constexpr,
-    PDL: tl.constexpr = False,  # noqa: E741
+    PDL: tl.constexpr = False,
 ):
-    # y (M, I) = silu(gate) * up, gate and up the halves of the rows of sum over s of part (SPLIT, M, 2I),
-    # each sum rounded to y's dtype first, silu rounded before the product (as the plain ops round).
+    # y (M, INTER) = silu(gate) * up, gate and up the halves of the rows of the sum over s of part
+    # (SPLIT, M, 2 INTER), each sum rounded to y's dtype first, silu rounded before the product (as the plain
+    # ops round).
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = r < MI
-    g_ptrs = part_ptr + (r // I) * (2 * I) + r % I
+    g_ptrs = part_ptr + (r // INTER) * (2 * INTER) + r % INTER
     gate = tl.load(g_ptrs, mask=ok, other=0.0)
-    up = tl.load(g_ptrs + I, mask=ok, other=0.0)
+    up = tl.load(g_ptrs + INTER, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLIT):
         gate += tl.load(g_ptrs + s * 2 * MI, mask=ok, other=0.0)
-        up += tl.load(g_ptrs + s * 2 * MI + I, mask=ok, other=0.0)
+        up += tl.load(g_ptrs + s * 2 * MI + INTER, mask=ok, other=0.0)
     dt = y_ptr.dtype.element_ty
     g = gate.to(dt).to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)

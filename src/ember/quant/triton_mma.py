@@ -21,9 +21,11 @@ cores multiply, and a weight costs under one instruction:
 Triton runs the PTX as an elementwise op over tensors whose every lane holds 4 consecutive elements (4
 registers): the kernel's tensors are laid out so that those are the fragments, and the scale factors are
 loaded by inline PTX too (a tl.load would take a layout of its own and cost a shared-memory shuffle).
-The fragment arithmetic is checked on CPU by emulating the mma's operand layout (PTX ISA, "Matrix fragments
-for mma.m16n8k16"; tests/quant/test_quant_mma.py) and on the GPU against float math
-(`benchmarks/gpu_gemv.py --check`). Needs sm80 or later (bf16 mma), bf16 activations.
+Checked on CPU twice over (tests/quant/test_quant_mma.py): the fragment arithmetic by emulating each mma from
+the operand layouts of the PTX ISA ("Matrix fragments for mma.m16n8k16"), and the kernel itself in Triton's
+interpreter, which runs no PTX, with its mma step written in tensor ops (`_mma_step_emulated`; the compiled
+kernel is the same, that branch being pruned); on the GPU against float math (`benchmarks/gpu_gemv.py
+--check`). Needs sm80 or later (bf16 mma), bf16 activations.
 
 Shape legend: M rows of activations (<= 8), K input features, N output features, g group size, S splits.
 """
@@ -31,6 +33,7 @@ Shape legend: M rows of activations (<= 8), K input features, N output features,
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -82,8 +85,47 @@ def _mma_step(words, xa, xb, c, xs):
 
 
 @triton.jit
-def _load_b32(ptrs):
+def _bf16_halves(regs):
+    # int32 registers -> float32 of their low and high bf16 halves, stacked on a new last axis.
+    lo = (regs << 16).to(tl.float32, bitcast=True)
+    hi = (regs & -65536).to(tl.float32, bitcast=True)
+    return tl.join(lo, hi)
+
+
+@triton.jit
+def _mma_step_emulated(words, xa, xb, c, xs, U: tl.constexpr, WARPS: tl.constexpr):
+    # What `_mma_step` computes, in tensor ops, for Triton's interpreter (which runs no PTX): the registers of
+    # lane (g, q) of warp w are elements (w, g, q, 0..3) of the (U, L) tensors; each mma multiplies the A and B
+    # fragments as the PTX ISA lays them out (a_j: row g + 8 ((j >> 1) & 1), k 2q + (j & 1) + 8 (j >> 2); b_j:
+    # k 2q + (j & 1) + 8 (j >> 1), column g) and adds the products in float32.
+    i4 = tl.arange(0, 4)
+    i2 = tl.arange(0, 2)
+    # A register i = 2r + ro of word m holds the nibbles at bits 4i (half 0) and 4i + 16 (half 1): 128 + q.
+    shifts = tl.reshape(i4[:, None] * 4 + i2[None, :] * 16, (1, 1, 1, 1, 1, 4, 2))
+    w7 = tl.reshape(words, (U, WARPS, 8, 4, 4, 1, 1))  # (u, w, g, q, m, i, h)
+    a = ((w7 >> shifts) & 0xF).to(tl.float32) + 128.0
+    a = tl.reshape(a, (U, WARPS, 8, 1, 4, 4, 2, 2, 2))  # (u, w, g, n, q, m, r, ro, h)
+    # B registers: x pair p = 4t + c of the lane (t: xa or xb) is register r = p % 2 of mma m = p // 2.
+    regs = tl.permute(
+        tl.join(tl.reshape(xa, (U, WARPS, 8, 4, 4)), tl.reshape(xb, (U, WARPS, 8, 4, 4))), (0, 1, 2, 3, 5, 4)
+    )
+    b = tl.reshape(
+        _bf16_halves(regs), (U, WARPS, 8, 4, 4, 2, 2)
+    )  # (u, w, n, q, m, r, h): column n = lane's g
+    prod = a * tl.reshape(b, (U, WARPS, 1, 8, 4, 4, 2, 1, 2))
+    acc = tl.sum(tl.sum(tl.sum(tl.sum(prod, 8), 6), 5), 4)  # (u, w, g, n, ro): row g + 8 ro, column n
+    # Lane (g, q) holds accumulator cc = 2 ro + c2: row g + 8 ro, column n = 2q + c2.
+    acc = tl.permute(tl.reshape(acc, (U, WARPS, 8, 4, 2, 2)), (0, 1, 2, 3, 5, 4))
+    ones = tl.sum(tl.sum(tl.sum(tl.sum(b, 6), 5), 4), 3)  # (u, w, n): a column's sum of x over the step
+    ones = tl.broadcast_to(tl.reshape(ones, (U, WARPS, 1, 4, 1, 2)), (U, WARPS, 8, 4, 2, 2))
+    return c + tl.reshape(acc, (U, WARPS * 128)), xs + tl.reshape(ones, (U, WARPS * 128))
+
+
+@triton.jit
+def _load_b32(ptrs, EMULATE: tl.constexpr):
     # A 32-bit load that keeps the layout of ptrs (tl.load would take one from its addresses' contiguity).
+    if EMULATE:
+        return tl.load(ptrs)
     return tl.inline_asm_elementwise(
         "ld.global.nc.b32 $0, [$1];", "=r,l", [ptrs], dtype=tl.int32, is_pure=True, pack=1
     )
@@ -102,6 +144,7 @@ def _int4_mma_kernel(
     WARPS: tl.constexpr,
     SPLIT: tl.constexpr = 1,
     PDL: tl.constexpr = False,
+    EMULATE: tl.constexpr = False,
 ):
     # Grid (cdiv(N / 16, WARPS), SPLIT): warp w of program p owns rows 16 (p * WARPS + w) onwards and the
     # program_id(1)-th of SPLIT runs of groups. Elements e of a step's tensors (L = WARPS * 128 of them):
@@ -129,7 +172,7 @@ def _int4_mma_kernel(
     rows = tile * 16 + g + 8 * (c // 2)
     sz_ptrs = sz_ptr + rows * G + tl.program_id(1) * RUN
     words = tl.load(w_ptrs)  # weights first: nothing in this step writes them
-    sz = _load_b32(sz_ptrs)
+    sz = _load_b32(sz_ptrs, EMULATE)
     if PDL:
         tl.extra.cuda.gdc_wait()
     zero = tl.zeros((U, L), dtype=tl.float32)
@@ -137,10 +180,13 @@ def _int4_mma_kernel(
     for i in range(RUN):
         # The next group's words and factors are in flight while this one is multiplied.
         nxt = tl.load(w_ptrs + U * 128, mask=(u * 0 + i + 1) < RUN, other=0)
-        nsz = _load_b32(sz_ptrs + (i + 1 < RUN).to(tl.int32))
+        nsz = _load_b32(sz_ptrs + tl.where(i + 1 < RUN, 1, 0), EMULATE)  # the last group: itself
         xa = tl.load(x_ptrs)
         xb = tl.load(x_ptrs + 4)
-        C, X = _mma_step(words, xa, xb, zero, zero)
+        if EMULATE:
+            C, X = _mma_step_emulated(words, xa, xb, zero, zero, U, WARPS)
+        else:
+            C, X = _mma_step(words, xa, xb, zero, zero)
         C = tl.sum(C, axis=0)  # sum((128 + q) x) over the group, per row and activation row
         X = tl.sum(X, axis=0)  # sum(x) over the group
         s = (sz & -65536).to(tl.float32, bitcast=True)
@@ -161,8 +207,14 @@ def _int4_mma_kernel(
 WARPS = ({"WARPS": 4, "num_warps": 4, "num_stages": 1}, {"WARPS": 8, "num_warps": 8, "num_stages": 1})
 
 
+def _interpreted() -> bool:
+    """Whether Triton's interpreter runs the kernels (no PTX: the mma step is emulated in tensor ops)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    """The device's multiprocessors (1 off CUDA: Triton's interpreter)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 @functools.cache
@@ -205,7 +257,20 @@ def int4_mma_gemv(
 
     def run(b: dict, w: tuple[torch.Tensor, ...]) -> None:
         grid = (triton.cdiv(N // 16, b["WARPS"]), split or 1)
-        _int4_mma_kernel[grid](x, w[0], w[1], out, N, M, K, GROUP=group_size, SPLIT=split or 1, **opts, **b)
+        _int4_mma_kernel[grid](
+            x,
+            w[0],
+            w[1],
+            out,
+            N,
+            M,
+            K,
+            GROUP=group_size,
+            SPLIT=split or 1,
+            EMULATE=_interpreted(),
+            **opts,
+            **b,
+        )
 
     if blocks is None:
         blocks = tuning.pick(("int4_mma", M, N, K, group_size, split), WARPS, run, (words, sz))
