@@ -69,6 +69,18 @@ def _tiled_bits(per_group: torch.Tensor) -> torch.Tensor:
     return torch.tensor(TILED_NIBBLE_BITS, device=per_group.device)[j]
 
 
+def bf16_pair(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
+    """Two tensors rounded to bf16 -> int32 words holding `hi` in the high half and `lo` in the low."""
+    return hi.to(torch.bfloat16).view(torch.int16).to(torch.int32) << 16 | (
+        lo.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    )
+
+
+def bf16_unpair(words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of `bf16_pair`, as float32: (high half, low half)."""
+    return (words & -65536).view(torch.float32), (words << 16).view(torch.float32)
+
+
 def int4_subnormal_scales(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """(scales, mins) (N, K/g) of w = q*s + min -> int32 (N, K/g), the factors of the subnormal int4 GEMV
     (`triton_kernels.int4_tiled_gemv`) as two bf16 in one word (bf16's exponent range holds them): s * 2^70 in
@@ -76,11 +88,9 @@ def int4_subnormal_scales(scales: torch.Tensor, mins: torch.Tensor) -> torch.Ten
     (`TILED_NIBBLE_BITS`; 70 = 149 - `TILED_X_EXP`). Scaled by powers of two, the two are exactly s and min
     rounded to bf16."""
     p = _tiled_bits(scales)
-    s = (scales.to(torch.bfloat16).float() * 2.0 ** (149 - TILED_X_EXP)).to(torch.bfloat16)
-    z = (mins.to(torch.bfloat16).float() * torch.exp2((p - TILED_X_EXP).float())).to(torch.bfloat16)
-    hi = s.view(torch.int16).to(torch.int32) << 16
-    lo = z.view(torch.int16).to(torch.int32) & 0xFFFF
-    return hi | lo
+    s = scales.to(torch.bfloat16).float() * 2.0 ** (149 - TILED_X_EXP)
+    z = mins.to(torch.bfloat16).float() * torch.exp2((p - TILED_X_EXP).float())
+    return bf16_pair(s, z)
 
 
 def int4_tiles(in_features: int, group_size: int) -> bool:
@@ -150,9 +160,7 @@ def int4_mma_untile(words: torch.Tensor) -> torch.Tensor:
 
 def int4_mma_scales(scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
     """(scales, mins) (N, K/g) of w = q*s + min -> int32 (N, K/g): s as bf16 in the high half, min in the low."""
-    hi = scales.to(torch.bfloat16).view(torch.int16).to(torch.int32) << 16
-    lo = mins.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
-    return hi | lo
+    return bf16_pair(scales, mins)
 
 
 def int4_mma_dequantize(words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -160,8 +168,7 @@ def int4_mma_dequantize(words: torch.Tensor, sz: torch.Tensor, group_size: int) 
     and min as rounded to bf16."""
     N = words.shape[0]
     codes = int4_mma_untile(words).reshape(N, -1, group_size).float()  # (N, K/g, g)
-    s = (sz & -65536).view(torch.float32)
-    z = (sz << 16).view(torch.float32)
+    s, z = bf16_unpair(sz)
     return (codes * s[..., None] + z[..., None]).reshape(N, -1)
 
 
@@ -278,8 +285,8 @@ def int4_tiled_dequantize(words: torch.Tensor, sz: torch.Tensor, group_size: int
     N = words.shape[0]
     codes = int4_untile(words, group_size).reshape(N, -1, group_size).float()  # (N, K/g, g)
     p = _tiled_bits(sz)
-    s = (sz & -65536).view(torch.float32) * 2.0 ** (TILED_X_EXP - 149)
-    z = (sz << 16).view(torch.float32) * torch.exp2((TILED_X_EXP - p).float())
+    s, z = bf16_unpair(sz)
+    s, z = s * 2.0 ** (TILED_X_EXP - 149), z * torch.exp2((TILED_X_EXP - p).float())
     return (codes * s[..., None] + z[..., None]).reshape(N, -1)
 
 

@@ -320,8 +320,9 @@ def _tiled_nibble(words, j: tl.constexpr):
 
 @triton.jit
 def _factors(sz):
-    # The rows' packed factors of one group (`kernels.int4_subnormal_scales`) -> s * 2^(149 - X_EXP) and
-    # min * 2^(P - X_EXP) as float32 (bf16 -> float32 is a move to the high half).
+    # Words of two bf16 (`kernels.bf16_pair`) -> (high, low) as float32 (bf16 -> float32 is a move to the high
+    # half): a group's packed factors, s * 2^(149 - X_EXP) and min * 2^(P - X_EXP) for the tiled layout
+    # (`kernels.int4_subnormal_scales`), s and min for the mma layout (`kernels.int4_mma_scales`).
     return (sz & -65536).to(tl.float32, bitcast=True), (sz << 16).to(tl.float32, bitcast=True)
 
 
@@ -613,12 +614,12 @@ def int4_tiled_gemv(
     (tile, warps and SPLIT, for benchmarks) fixes them all."""
     M, K = x.shape
     N = words.shape[0]
-    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    opts = launch_options(x.device)
     if blocks is None:
         split = tiled_split(N, K, group_size, TILED_SPLIT_BLOCKS["BLOCK_N"], M)
         blocks = {**TILED_SPLIT_BLOCKS, "SPLIT": split} if split > 1 else None
     if blocks is None or blocks.get("SPLIT", 1) == 1:
+        y = torch.empty(M, N, device=x.device, dtype=x.dtype)
+        opts = launch_options(x.device)
 
         def run(b: dict, w: tuple[torch.Tensor, ...]) -> None:
             grid = (triton.cdiv(N, b["BLOCK_N"]) * M, 1, 1)
@@ -629,10 +630,18 @@ def int4_tiled_gemv(
             blocks = tuning.pick(key, TILED_BLOCKS, run, (words, sz))
         run(blocks, (words, sz))
         return y
-    split = blocks["SPLIT"]
-    part = int4_tiled_partials(x, words, sz, group_size, split, blocks)
+    return sum_splits(int4_tiled_partials(x, words, sz, group_size, blocks["SPLIT"], blocks), x.dtype)
+
+
+def sum_splits(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float32 partial sums (S, M, N) of a split GEMV -> their sum (M, N) in `dtype`, added in order
+    (`_sum_splits_kernel`, launched with PDL where the GEMVs are)."""
+    S, M, N = part.shape
+    y = torch.empty(M, N, device=part.device, dtype=dtype)
     BLOCK = 1024
-    _sum_splits_kernel[(triton.cdiv(M * N, BLOCK),)](part, y, M * N, SPLIT=split, BLOCK=BLOCK, **opts)
+    _sum_splits_kernel[(triton.cdiv(M * N, BLOCK),)](
+        part, y, M * N, SPLIT=S, BLOCK=BLOCK, **launch_options(part.device)
+    )
     return y
 
 

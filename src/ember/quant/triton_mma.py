@@ -41,6 +41,7 @@ import triton.language as tl
 
 from ember.ops.launch import launch_options
 from ember.quant import tuning
+from ember.quant.triton_kernels import _factors, sum_splits
 
 MAX_ROWS = 8  # activation rows one launch serves: the mma's 8 columns
 WARPS_PER_SM = 30  # `splits`: enough warps that every multiprocessor has about this many in flight
@@ -85,14 +86,6 @@ def _mma_step(words, xa, xb, c, xs):
 
 
 @triton.jit
-def _bf16_halves(regs):
-    # int32 registers -> float32 of their low and high bf16 halves, stacked on a new last axis.
-    lo = (regs << 16).to(tl.float32, bitcast=True)
-    hi = (regs & -65536).to(tl.float32, bitcast=True)
-    return tl.join(lo, hi)
-
-
-@triton.jit
 def _mma_step_emulated(words, xa, xb, c, xs, U: tl.constexpr, WARPS: tl.constexpr):
     # What `_mma_step` computes, in tensor ops, for Triton's interpreter (which runs no PTX): the registers of
     # lane (g, q) of warp w are elements (w, g, q, 0..3) of the (U, L) tensors; each mma multiplies the A and B
@@ -109,9 +102,8 @@ def _mma_step_emulated(words, xa, xb, c, xs, U: tl.constexpr, WARPS: tl.constexp
     regs = tl.permute(
         tl.join(tl.reshape(xa, (U, WARPS, 8, 4, 4)), tl.reshape(xb, (U, WARPS, 8, 4, 4))), (0, 1, 2, 3, 5, 4)
     )
-    b = tl.reshape(
-        _bf16_halves(regs), (U, WARPS, 8, 4, 4, 2, 2)
-    )  # (u, w, n, q, m, r, h): column n = lane's g
+    hi, lo = _factors(regs)  # a register's two bf16: h = 0 the low half
+    b = tl.reshape(tl.join(lo, hi), (U, WARPS, 8, 4, 4, 2, 2))  # (u, w, n, q, m, r, h): column n = lane's g
     prod = a * tl.reshape(b, (U, WARPS, 1, 8, 4, 4, 2, 1, 2))
     acc = tl.sum(tl.sum(tl.sum(tl.sum(prod, 8), 6), 5), 4)  # (u, w, g, n, ro): row g + 8 ro, column n
     # Lane (g, q) holds accumulator cc = 2 ro + c2: row g + 8 ro, column n = 2q + c2.
@@ -189,8 +181,7 @@ def _int4_mma_kernel(
             C, X = _mma_step(words, xa, xb, zero, zero)
         C = tl.sum(C, axis=0)  # sum((128 + q) x) over the group, per row and activation row
         X = tl.sum(X, axis=0)  # sum(x) over the group
-        s = (sz & -65536).to(tl.float32, bitcast=True)
-        mn = (sz << 16).to(tl.float32, bitcast=True)
+        s, mn = _factors(sz)
         acc += s * C + (mn - 128.0 * s) * X
         words, sz = nxt, nsz
         w_ptrs += U * 128
@@ -281,19 +272,11 @@ def int4_mma_gemv(
 def int4_mma_linear(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
     """y (M, N) in x's dtype: `int4_mma_gemv` over `splits` runs of K where N is small, the partial sums added
     by a second kernel (launched with PDL, like the GEMV)."""
-    (M, K), N = x.shape, words.shape[0]
+    K, N = x.shape[1], words.shape[0]
     split = splits(N, K, group_size, multiprocessors(x.device))
     if split == 1:
         return int4_mma_gemv(x, words, sz, group_size)
-    from ember.quant.triton_kernels import _sum_splits_kernel
-
-    part = int4_mma_gemv(x, words, sz, group_size, split)
-    y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    BLOCK = 1024
-    _sum_splits_kernel[(triton.cdiv(M * N, BLOCK),)](
-        part, y, M * N, SPLIT=split, BLOCK=BLOCK, **launch_options(x.device)
-    )
-    return y
+    return sum_splits(int4_mma_gemv(x, words, sz, group_size, split), x.dtype)
 
 
 @triton.jit
@@ -311,8 +294,7 @@ def _int4_mma_dequant_kernel(w_ptr, sz_ptr, out_ptr, K: tl.constexpr, GROUP: tl.
     rows = tile * 16 + lane // 4 + 8 * r
     k = step * 64 + 16 * (lane % 4) + 4 * m + 2 * h + e
     sz = tl.load(sz_ptr + rows * (K // GROUP) + k // GROUP)
-    s = (sz & -65536).to(tl.float32, bitcast=True)
-    mn = (sz << 16).to(tl.float32, bitcast=True)
+    s, mn = _factors(sz)
     w = codes.to(tl.float32) * s + mn
     tl.store(out_ptr + rows.to(tl.int64) * K + k, w.to(out_ptr.dtype.element_ty))
 
