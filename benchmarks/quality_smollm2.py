@@ -1,9 +1,13 @@
-"""Perplexity of SmolLM2-135M-Instruct on a fixed text, float32 vs each quantization scheme (same tokens).
+"""Perplexity on a fixed text, float32 vs each quantization scheme (same tokens); SmolLM2-135M-Instruct by
+default, any model with `--model`.
 
 python benchmarks/quality_smollm2.py
+python benchmarks/quality_smollm2.py --model gemma3-270m --schemes int8 int4-g32
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -25,16 +29,32 @@ TEXT = (
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="a name or path (GGUF files: their float weights are the file's dequantized ones)",
+    )
+    ap.add_argument("--schemes", nargs="*", default=["int8", "int8-dyn", "int4-g32", "int4-g64"])
+    args = ap.parse_args()
     torch.set_num_threads(2)
-    base = load("smollm2-135m-instruct", device="cpu", progress=False)
+    base = load(args.model, device="cpu", progress=False)
     tokens = torch.tensor([base.tokenizer.encode(TEXT, add_special_tokens=False)])
     ref = perplexity(base.model, tokens)
-    print(f"{'scheme':<10}{'perplexity':>12}{'vs float32':>12}   ({tokens.shape[1]} tokens)")
-    print(f"{'float32':<10}{ref:>12.4f}{'':>12}")
-    for scheme in ("int8", "int8-dyn", "int4-g32", "int4-g64"):
-        model = quantize_model(load("smollm2-135m-instruct", device="cpu", progress=False).model, scheme)
-        ppl = perplexity(model, tokens)
-        print(f"{scheme:<10}{ppl:>12.4f}{100 * (ppl - ref) / ref:>+11.2f}%")
+    print(
+        f"{'scheme':<10}{'loaded with it':>16}{'vs float32':>12}{'float, then quantized':>24}{'vs float32':>12}"
+        f"   ({args.model}, {tokens.shape[1]} tokens)"
+    )
+    print(f"{'float32':<10}{ref:>16.4f}")
+    for scheme in args.schemes:
+        # As `--quantize` loads (GGUF 4-bit tensors taken as they are under int4-g32), and quantizing the
+        # float model after loading it.
+        loaded = load(args.model, device="cpu", progress=False, quantize=scheme, quant_cache=False).model
+        after = quantize_model(load(args.model, device="cpu", progress=False).model, scheme)
+        a, b = perplexity(loaded, tokens), perplexity(after, tokens)
+        print(
+            f"{scheme:<10}{a:>16.4f}{100 * (a - ref) / ref:>+11.2f}%{b:>24.4f}{100 * (b - ref) / ref:>+11.2f}%"
+        )
 
 
 if __name__ == "__main__":

@@ -632,3 +632,68 @@ def test_mixtral_gguf_loads_and_matches_transformers(tmp_path):
     ids = torch.randint(0, V, (2, 12))
     got = model.compute_logits(model(ids, torch.arange(12)[None].expand(2, -1), _cache(model.config, 12, 2)))
     assert (got - ref(ids).logits).abs().max() <= 1e-4
+
+
+def test_int4_g32_takes_4bit_tensors_as_they_are_and_quantizes_the_rest(tmp_path):
+    """Loading with int4-g32: projections whose GGUF tensors are all Q4_0 / Q4_1 / Q4_K (q and k rows
+    un-permuted, q/k/v and gate/up fused) hold the file's weights bit for bit, which quantizing the
+    dequantized weights does not give for Q4_0 and Q4_K (it does for Q4_1); a projection with any other part (Q5_0, F16) is
+    dequantized and quantized, as before."""
+    from ember.loading.gguf import GGUFSource
+    from ember.loading.weights import build_model
+    from ember.models.registry import config_from_hf, get_family
+    from ember.quant import quantize_model
+    from ember.quant.linear import Int4WeightOnlyLinear
+
+    e, d = 256, 64  # Q4_K blocks hold 256 values along a row
+    t = {"token_embd.weight": ((V, e), QT.Q8_0), "output_norm.weight": ((e,), QT.F32)}
+    for i in range(L):
+        t |= {
+            f"blk.{i}.attn_norm.weight": ((e,), QT.F32),
+            f"blk.{i}.attn_q.weight": ((H * d, e), QT.Q4_0),
+            f"blk.{i}.attn_k.weight": ((KV * d, e), QT.Q4_K),
+            f"blk.{i}.attn_v.weight": ((KV * d, e), QT.Q4_1),
+            f"blk.{i}.attn_output.weight": ((e, H * d), [QT.Q4_K, QT.Q4_0][i]),
+            f"blk.{i}.ffn_norm.weight": ((e,), QT.F32),
+            f"blk.{i}.ffn_gate.weight": ((I, e), QT.Q4_0),
+            f"blk.{i}.ffn_up.weight": ((I, e), [QT.Q5_0, QT.F16][i]),
+            f"blk.{i}.ffn_down.weight": ((e, I), [QT.Q4_1, QT.Q4_0][i]),  # I = 128: too narrow for Q4_K
+        }
+    path = tmp_path / "q4.gguf"
+    _write_tiny(
+        path,
+        "llama",
+        {"tensors": t, "keys": {"llama.rope.dimension_count": d}},
+        np.random.default_rng(2),
+        hidden=e,
+    )
+    reader = read_gguf(path)
+    float_sd = load_gguf_state_dict(reader)
+    cfg = config_from_hf(gguf_to_hf_config(reader))
+    family = get_family(cfg.architecture)
+    kw = dict(device="cpu", dtype=torch.float32, origin=str(path), progress=False)
+    model = build_model(cfg, family, GGUFSource(reader), quantize="int4-g32", **kw)
+    model = quantize_model(model, "int4-g32")
+    requantized = quantize_model(build_model(cfg, family, GGUFSource(reader), **kw), "int4-g32")
+    fused = {
+        "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
+        "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+    }
+    for i in range(L):
+        for proj in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            name = f"model.layers.{i}.{proj}"
+            module = model.get_submodule(name)
+            assert isinstance(module, Int4WeightOnlyLinear) and module.group_size == 32
+            parent = proj.rpartition(".")[0]
+            parts = [
+                f"model.layers.{i}.{parent}.{p}.weight" for p in fused.get(proj, (proj.rpartition(".")[2],))
+            ]
+            w = torch.cat([float_sd[p] for p in parts])
+            again = requantized.get_submodule(name)
+            if proj == "mlp.gate_up_proj":  # up is Q5_0 / F16: quantized from the float weights
+                assert torch.equal(module.dequantize(), again.dequantize()), name
+                assert not torch.equal(module.dequantize(), w)
+            else:
+                assert torch.equal(module.dequantize(), w), name
+                # What quantizing again loses (Q4_1's min/max grid is what Ember's quantizer finds anyway)
+                assert torch.equal(again.dequantize(), w) == (name == "model.layers.0.mlp.down_proj"), name

@@ -546,6 +546,77 @@ def _convert_tensor(
     return [(n, _to_torch(w[e], dtype)) for e, n in enumerate(names)]
 
 
+# 4-bit GGUF block types whose values are codes on a grid of 32 weights along a row, w = code * scale + min:
+# exactly Ember's int4 groups of 32 (`ember.quant.linear.Int4WeightOnlyLinear`), so a loader can take the
+# codes as they are instead of dequantizing and quantizing again. Bytes per block (ggml's layouts):
+# Q4_0 f16 d, 16 bytes of codes (w = d (q - 8)); Q4_1 f16 d, f16 m, 16 bytes (w = d q + m); Q4_K, per 256
+# weights: f16 d, f16 dmin, 12 bytes of eight 6-bit scales and mins, 128 bytes (w = d sc q - dmin mn).
+_INT4_BLOCK_BYTES = {
+    gguf.GGMLQuantizationType.Q4_0: 18,
+    gguf.GGMLQuantizationType.Q4_1: 20,
+    gguf.GGMLQuantizationType.Q4_K: 144,
+}
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """(..., 2) little-endian bytes -> (...) float32."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def int4_blocks(
+    data: np.ndarray, qtype: gguf.GGMLQuantizationType
+) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Rows of Q4_0, Q4_1 or Q4_K blocks (N, bytes per row) -> codes uint8 (N, K) in [0, 15], scales and mins
+    float32 (N, K/32), with code * scale + min equal to ggml's dequantized weight; None for other types."""
+    size = _INT4_BLOCK_BYTES.get(qtype)
+    if size is None:
+        return None
+    N = data.shape[0]
+    b = data.reshape(N, -1, size)  # (N, blocks, bytes)
+    d = _f16(b[..., 0:2])
+    if qtype == gguf.GGMLQuantizationType.Q4_K:
+        dmin, packed, qs = _f16(b[..., 2:4]), b[..., 4:16], b[..., 16:]
+        lo, mlo, hi = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+        # Sub-blocks 0-3: 6 bits in bytes 0-3 (scales) and 4-7 (mins); 4-7: 4 bits in bytes 8-11 (low nibble
+        # scale, high nibble min) and their top 2 bits in the top bits of bytes 0-3 and 4-7.
+        sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1).astype(np.float32)
+        mn = np.concatenate([mlo & 63, (hi >> 4) | ((mlo >> 6) << 4)], axis=-1).astype(np.float32)
+        scales = d[..., None] * sc  # exact: an f16 times a 6-bit integer
+        mins = -(dmin[..., None] * mn)
+        q = qs.reshape(N, -1, 4, 32)  # 64 weights per 32 bytes: low nibbles then high nibbles
+        codes = np.stack([q & 15, q >> 4], axis=3)  # (N, blocks, 4, 2, 32)
+    else:
+        if qtype == gguf.GGMLQuantizationType.Q4_1:
+            scales, mins, q = d, _f16(b[..., 2:4]), b[..., 4:]
+        else:
+            scales, mins, q = d, -8.0 * d, b[..., 2:]
+        codes = np.stack([q & 15, q >> 4], axis=2)  # (N, blocks, 2, 16): weights 0-15 low, 16-31 high
+    return codes.reshape(N, -1), scales.reshape(N, -1), mins.reshape(N, -1)
+
+
+def _convert_int4(
+    t: gguf.ReaderTensor, arch: str, fam: _Family, cfg: dict
+) -> tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
+    """One 4-bit GGUF tensor -> its HF name and (codes, scales, mins) in the HF layout; None where the
+    tensor is not 4-bit or is not one HF matrix (stacked experts)."""
+    key, name, names = _hf_names(t, arch, fam, cfg)
+    if len(names) != 1 or len(t.data.shape) != 2:
+        return None
+    blocks = int4_blocks(t.data, t.tensor_type)
+    if blocks is None:
+        return None
+    if fam.permute_qk and key in ("blk.{i}.attn_q.weight", "blk.{i}.attn_k.weight"):
+        heads = cfg["num_attention_heads" if key.endswith("q.weight") else "num_key_value_heads"]
+        blocks = tuple(_unpermute_rows(a, heads) for a in blocks)  # rows move whole, with their groups
+    dims = _dims(cfg)
+    expected = tuple(dims[s] for s in fam.tensors[key][1])
+    if blocks[0].shape != expected:
+        raise CheckpointError(
+            f"GGUF tensor {t.name!r} ({name!r}) has shape {blocks[0].shape} but the config implies {expected}"
+        )
+    return name, tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in blocks)
+
+
 def load_gguf_state_dict(
     reader: gguf.GGUFReader, dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
@@ -582,6 +653,14 @@ class GGUFSource:
 
     def names(self) -> set[str]:
         return set(self._owner)
+
+    def get_int4(self, name: str, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The file's own 4-bit codes of `name` as Ember's int4 groups (codes uint8 (N, K), scales and mins
+        float32 (N, K/g)), without dequantizing; None unless the tensor is Q4_0, Q4_1 or Q4_K and g = 32."""
+        if group_size != 32:
+            return None
+        converted = _convert_int4(self._owner[name], self._arch, self._fam, self._cfg)
+        return converted[1] if converted is not None else None
 
     def get(self, name: str) -> torch.Tensor:
         t = self._owner[name]

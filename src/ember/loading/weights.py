@@ -78,6 +78,7 @@ def build_model(
     spec, targets = None, set()
     if quantize:
         from ember.quant import QuantSpec, check_fits
+        from ember.quant.linear import Int4WeightOnlyLinear
 
         spec = QuantSpec.parse(quantize)
         targets = set(check_fits(model, spec))  # refuses a scheme that does not fit before reading anything
@@ -128,6 +129,25 @@ def build_model(
             )
         return tensor.to(device=device, dtype=dtype)
 
+    # A source that holds 4-bit weights in int4's groups (GGUF's Q4_0 / Q4_1 / Q4_K, groups of 32) gives
+    # their codes as they are: no dequantize and quantize again, and the file's own grid kept exactly.
+    get_int4 = getattr(source, "get_int4", None) if spec is not None and spec.scheme == "int4" else None
+
+    def read_int4(name: str) -> tuple[torch.Tensor, ...] | None:
+        groups, stack = plan[name]
+        if get_int4 is None or stack:
+            return None
+        parts = [get_int4(renamed[p], spec.group_size) for p in groups[0]]
+        if any(p is None for p in parts):  # a fused projection is taken whole or not at all
+            return None
+        codes, scales, mins = (torch.cat(t) for t in zip(*parts, strict=True))
+        if codes.shape != expected[name].shape:
+            raise CheckpointError(
+                f"{origin}: weight {name} has shape {tuple(codes.shape)}, "
+                f"expected {tuple(expected[name].shape)} from the config"
+            )
+        return codes.to(device), scales.to(device), mins.to(device)
+
     state: dict[str, torch.Tensor] = {}
     swapped: dict[str, nn.Module] = {}
     for name in tqdm(plan, desc="loading weights", unit="tensor", disable=not progress, leave=False):
@@ -135,11 +155,16 @@ def build_model(
         if module not in targets:
             state[name] = read(name)
         elif leaf == "weight":  # its bias, if any, comes next in the plan and is read with it
+            bias = read(f"{module}.bias") if f"{module}.bias" in plan else None
+            if (int4 := read_int4(name)) is not None:
+                swapped[module] = Int4WeightOnlyLinear.from_codes(*int4, bias, dtype)
+                swapped[module].prepare()
+                continue
             weight = read(name)
             linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
             linear.weight = nn.Parameter(weight, requires_grad=False)
-            if f"{module}.bias" in plan:
-                linear.bias = nn.Parameter(read(f"{module}.bias"), requires_grad=False)
+            if bias is not None:
+                linear.bias = nn.Parameter(bias, requires_grad=False)
             swapped[module] = spec.make(linear)
             swapped[module].prepare()
             del weight, linear

@@ -17,8 +17,12 @@ Loading a checkpoint with a scheme (`ember.LLM(..., quantize=...)`, `--quantize`
 through the quantized-weights cache (`ember.quant.cache`): the first start saves the quantized model with
 `save_quantized` to `$EMBER_CACHE_DIR/quantized/` (default `~/.cache/ember/quantized/`), later starts load
 it with `load_quantized` and skip reading and quantizing the float weights. `quant_cache=False` /
-`--no-quant-cache` turns it off. Bump `FORMAT_VERSION` whenever the saved form or the quantization math
-changes: it is part of every cache key.
+`--no-quant-cache` turns it off. Bump `FORMAT_VERSION` whenever the saved form changes, and the cache's
+`RECIPE` whenever the quantized tensors for a checkpoint do: both are part of every cache key.
+
+Loading a GGUF file with an int4 scheme of groups of 32 takes its Q4_0, Q4_1 and Q4_K tensors as they are
+(their blocks are int4 groups of 32, `ember.loading.gguf.int4_blocks`): nothing is dequantized and quantized
+again, and the model computes with the file's own weights. Other tensor types are dequantized and quantized.
 """
 
 from __future__ import annotations

@@ -43,6 +43,11 @@ from ember.quant import (
 
 log = logging.getLogger(__name__)
 
+# How a checkpoint's weights become the saved tensors: bump when a loader or quantizer gives other tensors for
+# the same checkpoint and scheme, so older entries are not served. 2: GGUF 4-bit tensors taken as they are
+# under int4-g32 (`ember.loading.gguf.int4_blocks`).
+RECIPE = 2
+
 _unwritable_warned: set[Path] = set()  # folders already warned about, so a process warns once per folder
 
 
@@ -62,6 +67,7 @@ def cache_file(name: str, sources: Sequence[Path], scheme: str, dtype: torch.dty
         "output_scheme": output_scheme_for(scheme),
         "dtype": str(dtype).removeprefix("torch."),
         "format": FORMAT_VERSION,
+        "recipe": RECIPE,
         "ember": __version__,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]

@@ -183,6 +183,30 @@ class Int4WeightOnlyLinear(QuantLinear):
             m.bias.copy_(linear.bias.detach())
         return m
 
+    @classmethod
+    def from_codes(
+        cls,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> Int4WeightOnlyLinear:
+        """Codes uint8 (N, K) in [0, 15] with their (N, K/g) scales and mins, w = code * scale + min, taken
+        as they are (a checkpoint's own 4-bit weights: `ember.loading.gguf.int4_blocks`); on codes' device."""
+        (N, K), G = codes.shape, scales.shape[-1]
+        if scales.shape != (N, G) or mins.shape != (N, G) or G == 0 or K % G:
+            raise ValueError(
+                f"int4 codes {tuple(codes.shape)} with scales {tuple(scales.shape)} and mins "
+                f"{tuple(mins.shape)}: expected (N, K) codes and (N, K/g) scales and mins"
+            )
+        m = cls(K, N, bias is not None, dtype, K // G).to(codes.device)
+        m.qweight = pack_nibbles(codes.to(torch.uint8))
+        m.scales, m.mins = scales.float(), mins.float()
+        if bias is not None:
+            m.bias.copy_(bias)
+        return m
+
     def options(self) -> dict:
         return {"group_size": self.group_size}
 
