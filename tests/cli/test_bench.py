@@ -29,3 +29,17 @@ def test_bench_random_weights_quantized(capsys):
     r = json.loads(capsys.readouterr().out)
     assert r["model"] == "random:tiny" and r["quantize"] == "int4-g32"
     assert r["decode_bandwidth_pct"] is not None
+
+
+@pytest.mark.parametrize(
+    "scheme, message",
+    [
+        ("gguf", "--quantize gguf keeps a GGUF file's own quantization; random weights have none"),
+        ("int3", "quantization 'int3' is not supported; expected one of int8, int4"),
+    ],
+)
+def test_bench_random_weights_refuses_a_scheme_before_building(scheme, message, capsys):
+    # llama-3-8b: a model this machine could not build in float32 (~32 GB); the scheme is refused first.
+    assert main(["bench", "--random-weights", "llama-3-8b", "--quantize", scheme, "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

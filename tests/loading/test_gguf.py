@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from ember.errors import CheckpointError, UnsupportedArchitectureError
+from ember.errors import CheckpointError, EmberError, UnsupportedArchitectureError
 from ember.loading.gguf import gguf_metadata, gguf_to_hf_config, load_gguf_state_dict, read_gguf
 
 transformers = pytest.importorskip("transformers")
@@ -634,17 +634,8 @@ def test_mixtral_gguf_loads_and_matches_transformers(tmp_path):
     assert (got - ref(ids).logits).abs().max() <= 1e-4
 
 
-def test_int4_g32_takes_4bit_tensors_as_they_are_and_quantizes_the_rest(tmp_path):
-    """Loading with int4-g32: projections whose GGUF tensors are all Q4_0 / Q4_1 / Q4_K (q and k rows
-    un-permuted, q/k/v and gate/up fused) hold the file's weights bit for bit, which quantizing the
-    dequantized weights does not give for Q4_0 and Q4_K (it does for Q4_1); a projection with any other part (Q5_0, F16) is
-    dequantized and quantized, as before."""
-    from ember.loading.gguf import GGUFSource
-    from ember.loading.weights import build_model
-    from ember.models.registry import config_from_hf, get_family
-    from ember.quant import quantize_model
-    from ember.quant.linear import Int4WeightOnlyLinear
-
+def _write_mixed_4bit(path: Path) -> None:
+    """A tiny llama whose projections mix 4-bit GGUF types (Q4_0 / Q4_1 / Q4_K) with Q5_0 and F16."""
     e, d = 256, 64  # Q4_K blocks hold 256 values along a row
     t = {"token_embd.weight": ((V, e), QT.Q8_0), "output_norm.weight": ((e,), QT.F32)}
     for i in range(L):
@@ -659,37 +650,51 @@ def test_int4_g32_takes_4bit_tensors_as_they_are_and_quantizes_the_rest(tmp_path
             f"blk.{i}.ffn_up.weight": ((I, e), [QT.Q5_0, QT.F16][i]),
             f"blk.{i}.ffn_down.weight": ((e, I), [QT.Q4_1, QT.Q4_0][i]),  # I = 128: too narrow for Q4_K
         }
-    path = tmp_path / "q4.gguf"
-    _write_tiny(
-        path,
-        "llama",
-        {"tensors": t, "keys": {"llama.rope.dimension_count": d}},
-        np.random.default_rng(2),
-        hidden=e,
-    )
+    spec = {"tensors": t, "keys": {"llama.rope.dimension_count": d}}
+    _write_tiny(path, "llama", spec, np.random.default_rng(2), hidden=e)
+
+
+def _build(path: Path, quantize: str | None):
+    from ember.loading.gguf import GGUFSource
+    from ember.loading.weights import build_model
+    from ember.models.registry import config_from_hf, get_family
+    from ember.quant import quantize_model
+
     reader = read_gguf(path)
-    float_sd = load_gguf_state_dict(reader)
     cfg = config_from_hf(gguf_to_hf_config(reader))
-    family = get_family(cfg.architecture)
     kw = dict(device="cpu", dtype=torch.float32, origin=str(path), progress=False)
-    model = build_model(cfg, family, GGUFSource(reader), quantize="int4-g32", **kw)
-    model = quantize_model(model, "int4-g32")
-    requantized = quantize_model(build_model(cfg, family, GGUFSource(reader), **kw), "int4-g32")
-    fused = {
-        "self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"),
-        "mlp.gate_up_proj": ("gate_proj", "up_proj"),
-    }
+    model = build_model(cfg, get_family(cfg.architecture), GGUFSource(reader), quantize=quantize, **kw)
+    return quantize_model(model, quantize) if quantize else model
+
+
+_FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
+_PROJS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+def _float_weight(sd: dict[str, torch.Tensor], i: int, proj: str) -> torch.Tensor:
+    parent, _, leaf = proj.rpartition(".")
+    return torch.cat([sd[f"model.layers.{i}.{parent}.{p}.weight"] for p in _FUSED.get(proj, (leaf,))])
+
+
+def test_int4_g32_takes_4bit_tensors_as_they_are_and_quantizes_the_rest(tmp_path):
+    """Loading with int4-g32: projections whose GGUF tensors are all Q4_0 / Q4_1 / Q4_K (q and k rows
+    un-permuted, q/k/v and gate/up fused) hold the file's weights bit for bit, which quantizing the
+    dequantized weights does not give for Q4_0 and Q4_K (it does for Q4_1); a projection with any other part
+    (Q5_0, F16) is dequantized and quantized, as before."""
+    from ember.quant import quantize_model
+    from ember.quant.linear import Int4WeightOnlyLinear
+
+    path = tmp_path / "q4.gguf"
+    _write_mixed_4bit(path)
+    float_sd = load_gguf_state_dict(read_gguf(path))
+    model = _build(path, "int4-g32")
+    requantized = quantize_model(_build(path, None), "int4-g32")
     for i in range(L):
-        for proj in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        for proj in _PROJS:
             name = f"model.layers.{i}.{proj}"
-            module = model.get_submodule(name)
+            module, again = model.get_submodule(name), requantized.get_submodule(name)
             assert isinstance(module, Int4WeightOnlyLinear) and module.group_size == 32
-            parent = proj.rpartition(".")[0]
-            parts = [
-                f"model.layers.{i}.{parent}.{p}.weight" for p in fused.get(proj, (proj.rpartition(".")[2],))
-            ]
-            w = torch.cat([float_sd[p] for p in parts])
-            again = requantized.get_submodule(name)
+            w = _float_weight(float_sd, i, proj)
             if proj == "mlp.gate_up_proj":  # up is Q5_0 / F16: quantized from the float weights
                 assert torch.equal(module.dequantize(), again.dequantize()), name
                 assert not torch.equal(module.dequantize(), w)
@@ -697,3 +702,43 @@ def test_int4_g32_takes_4bit_tensors_as_they_are_and_quantizes_the_rest(tmp_path
                 assert torch.equal(module.dequantize(), w), name
                 # What quantizing again loses (Q4_1's min/max grid is what Ember's quantizer finds anyway)
                 assert torch.equal(again.dequantize(), w) == (name == "model.layers.0.mlp.down_proj"), name
+
+
+def test_the_gguf_scheme_keeps_4bit_tensors_and_takes_the_rest_to_int8(tmp_path):
+    """--quantize gguf: 4-bit projections as the file's int4 codes, the others int8 per channel (as the int8
+    scheme quantizes them), the output projection int8-dyn; each projection's scheme is recorded, and a saved
+    model loads back the same, module for module, with the same logits."""
+    from ember.engine.kv_cache import StaticKVCache
+    from ember.quant import load_quantized, quantize_model, save_quantized
+    from ember.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
+
+    path = tmp_path / "q4.gguf"
+    _write_mixed_4bit(path)
+    float_sd = load_gguf_state_dict(read_gguf(path))
+    model = _build(path, "gguf")
+    as_int8 = quantize_model(_build(path, None), "int8")
+    q = model.quantization
+    assert q["scheme"] == "gguf" and q["output_scheme"] == "int8-dyn"
+    for i in range(L):
+        for proj in _PROJS:
+            name = f"model.layers.{i}.{proj}"
+            module = model.get_submodule(name)
+            if proj == "mlp.gate_up_proj":
+                assert isinstance(module, Int8WeightOnlyLinear) and q["module_schemes"][name] == "int8"
+                assert torch.equal(module.qweight, as_int8.get_submodule(name).qweight)
+            else:
+                assert isinstance(module, Int4WeightOnlyLinear) and q["module_schemes"][name] == "int4-g32"
+                assert torch.equal(module.dequantize(), _float_weight(float_sd, i, proj)), name
+    saved = load_quantized(save_quantized(model, tmp_path / "gguf.safetensors"))
+    assert saved.quantization == q
+    for name, module in model.named_modules():
+        assert type(saved.get_submodule(name)) is type(module), name
+    tokens = torch.tensor([[1, 5, 9, 3, 7]])
+    logits = []
+    for m in (model, saved):
+        cache = StaticKVCache(m.config, batch_size=1, max_seq_len=8, device="cpu", dtype=torch.float32)
+        with torch.inference_mode():
+            logits.append(m.compute_logits(m(tokens, torch.arange(5)[None], cache)))
+    assert torch.equal(logits[0], logits[1])
+    with pytest.raises(EmberError, match="'gguf' keeps a GGUF file's own quantization"):
+        quantize_model(_build(path, None), "gguf")

@@ -115,3 +115,22 @@ def test_loading_a_q4_gguf_as_int4_g32_keeps_the_files_weights(smollm2_gguf):
 def test_a_scheme_that_does_not_fit_is_refused_before_reading(smollm2_gguf):
     with pytest.raises(EmberError, match="groups of 128 do not divide this model's input widths"):
         load(str(smollm2_gguf), device="cpu", quantize="int4", quant_cache=False, progress=False)
+
+
+def test_the_gguf_scheme_is_refused_for_other_checkpoints(tmp_path, smollm2_tokenizer_dir):
+    path = make_tiny_llama_dir(tmp_path, smollm2_tokenizer_dir)
+    with pytest.raises(
+        EmberError, match=r"'gguf' keeps a GGUF file's own quantization; .* is not a GGUF file"
+    ):
+        load(str(path), device="cpu", quantize="gguf", quant_cache=False, progress=False)
+
+
+def test_the_gguf_scheme_goes_through_the_quant_cache(smollm2_gguf, tmp_path, monkeypatch):
+    """A second start with --quantize gguf loads the saved model: the same modules, weights and schemes."""
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    first = load(str(smollm2_gguf), device="cpu", quantize="gguf", progress=False)
+    second = load(str(smollm2_gguf), device="cpu", quantize="gguf", progress=False)
+    assert (first.quant_cache, second.quant_cache) == ("miss", "hit")
+    assert len(list((tmp_path / "quantized").glob("*gguf*.safetensors"))) == 1
+    assert set(first.model.quantization["module_schemes"].values()) == {"int4-g32"}  # SmolLM2: all Q4_1
+    assert_same_model(first.model, second.model, first.config.vocab_size)

@@ -14,6 +14,7 @@ import logging
 import torch
 
 from ember.cli.common import add_model_options, model_name
+from ember.errors import EmberError
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,14 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.random_weights:
+        if args.quantize:  # a bad scheme is refused before a model of real size is built
+            from ember.quant import QuantSpec
+
+            if QuantSpec.parse(args.quantize).scheme == "gguf":
+                raise EmberError(
+                    "--quantize gguf keeps a GGUF file's own quantization; random weights have none "
+                    "(use int8, int4-gN or int8-dyn)"
+                )
         device = pick_device(args.device)
         model = random_model(args.random_weights, device=device, dtype=pick_dtype(args.dtype, device))
         if args.quantize:

@@ -40,7 +40,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = Fal
         "--quantize",
         default=None,
         metavar="SCHEME",
-        help="quantize weights after loading: int8, int4 (group 128), int4-g32/g64/g256, int8-dyn (CPU)",
+        help="quantize weights after loading: int8, int4 (group 128), int4-g32/g64/g256, int8-dyn (CPU), "
+        "gguf (a GGUF file's own: its 4-bit tensors as int4, the rest int8)",
     )
     parser.add_argument(
         "--quant-cache",

@@ -131,7 +131,8 @@ def build_model(
 
     # A source that holds 4-bit weights in int4's groups (GGUF's Q4_0 / Q4_1 / Q4_K, groups of 32) gives
     # their codes as they are: no dequantize and quantize again, and the file's own grid kept exactly.
-    get_int4 = getattr(source, "get_int4", None) if spec is not None and spec.scheme == "int4" else None
+    takes_int4 = spec is not None and spec.scheme in ("int4", "gguf")
+    get_int4 = getattr(source, "get_int4", None) if takes_int4 else None
 
     def read_int4(name: str) -> tuple[torch.Tensor, ...] | None:
         groups, stack = plan[name]

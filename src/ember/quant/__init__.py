@@ -6,7 +6,8 @@
 
 Schemes (`SCHEMES`): "int8" (weight-only, per channel), "int4" (weight-only, groups of 128 along K; "int4-gN"
 picks N in 32/64/128/256), "int8-dyn" (int8 weights and dynamically quantized int8 activations, for CPUs
-with VNNI). The attention and MLP projections and the output projection are swapped (the output
+with VNNI), "gguf" (a GGUF file's own quantization, chosen while loading one: its 4-bit projections as int4
+groups of 32, the rest int8; the model records each projection's scheme). The attention and MLP projections and the output projection are swapped (the output
 projection to int8-dyn under int4 schemes, see `output_scheme_for`); embeddings and norms stay in float. The
 scheme is read from `model.quantization` or the file's metadata, never guessed.
 
@@ -20,9 +21,12 @@ it with `load_quantized` and skip reading and quantizing the float weights. `qua
 `--no-quant-cache` turns it off. Bump `FORMAT_VERSION` whenever the saved form changes, and the cache's
 `RECIPE` whenever the quantized tensors for a checkpoint do: both are part of every cache key.
 
-Loading a GGUF file with an int4 scheme of groups of 32 takes its Q4_0, Q4_1 and Q4_K tensors as they are
-(their blocks are int4 groups of 32, `ember.loading.gguf.int4_blocks`): nothing is dequantized and quantized
-again, and the model computes with the file's own weights. Other tensor types are dequantized and quantized.
+Loading a GGUF file with an int4 scheme of groups of 32, or with "gguf", takes its Q4_0, Q4_1 and Q4_K
+tensors as they are (their blocks are int4 groups of 32, `ember.loading.gguf.int4_blocks`): nothing is
+dequantized and quantized again, and the model computes with the file's own weights. Other tensor types are
+dequantized and quantized: to the scheme's int4, or under "gguf" to int8, which keeps what 5-, 6- and 8-bit
+blocks hold (Gemma 3 270M Q4_K_M: +0.4-1.1% perplexity against the file's float weights where int4-g32 gives
++30%; BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -49,14 +53,15 @@ MODULES: dict[str, type[QuantLinear]] = {
     "int4": Int4WeightOnlyLinear,
     "int8-dyn": Int8DynActLinear,
 }
-SCHEMES = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256", "int8-dyn")
+SCHEMES = ("int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256", "int8-dyn", "gguf")
+GGUF_GROUP = 32  # the "gguf" scheme's int4 groups: the blocks of GGUF's 4-bit types
 _PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    scheme: str  # a key of MODULES
-    group_size: int | None = None  # int4 only
+    scheme: str  # a key of MODULES, or "gguf"
+    group_size: int | None = None  # int4 (and gguf's int4 projections) only
 
     @classmethod
     def parse(cls, text: str) -> QuantSpec:
@@ -65,6 +70,8 @@ class QuantSpec:
             raise EmberError(f"quantization {text!r} is not supported; expected one of {', '.join(SCHEMES)}")
         if text.startswith("int4"):
             return cls("int4", int(text.partition("-g")[2] or 128))
+        if text == "gguf":
+            return cls("gguf", GGUF_GROUP)
         return cls(text)
 
     @property
@@ -72,9 +79,18 @@ class QuantSpec:
         return f"int4-g{self.group_size}" if self.scheme == "int4" else self.scheme
 
     def make(self, linear: nn.Linear) -> QuantLinear:
+        """`linear` quantized to this scheme (under "gguf": a projection that was not 4-bit, to int8)."""
         if self.scheme == "int4":
             return Int4WeightOnlyLinear.from_float(linear, self.group_size or 128)
+        if self.scheme == "gguf":
+            return Int8WeightOnlyLinear.from_float(linear)
         return MODULES[self.scheme].from_float(linear)
+
+    def takes(self, module: QuantLinear) -> bool:
+        """Whether `module`, swapped in by a loader, is of this scheme."""
+        if self.scheme == "gguf":
+            return module.scheme == "int8" or (module.scheme == "int4" and module.group_size == GGUF_GROUP)
+        return module.scheme == self.scheme and getattr(module, "group_size", None) == self.group_size
 
 
 def quantized_projections(model: nn.Module) -> list[str]:
@@ -102,7 +118,11 @@ def output_scheme_for(scheme: str) -> str:
     CPU that halves the time of the largest matmul of a small model's step for +0.7% perplexity (int4-g32
     in all: +1.2%, inside the 3% kept for int4; BENCHMARKS.md). On CUDA that module runs weight-only.
     """
-    return "int8-dyn" if QuantSpec.parse(scheme).scheme == "int4" else scheme
+    return "int8-dyn" if QuantSpec.parse(scheme).scheme in ("int4", "gguf") else scheme
+
+
+def _module_scheme(module: QuantLinear) -> str:
+    return f"int4-g{module.group_size}" if module.scheme == "int4" else module.scheme
 
 
 def check_fits(model: nn.Module, spec: QuantSpec) -> list[str]:
@@ -125,16 +145,24 @@ def quantize_model(model: nn.Module, scheme: str, *, output: bool = True) -> nn.
     """Swaps the projections of a Decoder (and, with `output`, the output projection) in place; returns it.
 
     Projections that are already modules of this scheme (a loader that quantizes as it reads, so the float
-    model never exists whole) are kept; the rest are quantized here."""
+    model never exists whole) are kept; the rest are quantized here. "gguf" is chosen while loading a GGUF
+    file (`ember.loading.checkpoint.load(..., quantize="gguf")`), which swaps every projection."""
     spec = QuantSpec.parse(scheme)
     if getattr(model, "quantization", None):
         raise EmberError(f"the model is already quantized ({model.quantization['scheme']})")
     names = check_fits(model, spec)
+    if spec.scheme == "gguf" and not all(isinstance(model.get_submodule(n), QuantLinear) for n in names):
+        raise EmberError(
+            "quantization 'gguf' keeps a GGUF file's own quantization and is chosen when loading one; "
+            "for other weights use int8, int4-gN or int8-dyn"
+        )
+    schemes: dict[str, str] = {}
     for name in names:
         module = model.get_submodule(name)
         if isinstance(module, QuantLinear):  # quantized as it was loaded
-            if module.scheme != spec.scheme:
-                raise EmberError(f"{name} was loaded as {module.scheme}, not {spec.name}")
+            if not spec.takes(module):
+                raise EmberError(f"{name} was loaded as {_module_scheme(module)}, not {spec.name}")
+            schemes[name] = _module_scheme(module)
             continue
         module = spec.make(module)
         module.prepare()
@@ -148,6 +176,8 @@ def quantize_model(model: nn.Module, scheme: str, *, output: bool = True) -> nn.
         model.lm_head = head
         names.append("lm_head")
     model.quantization = {"scheme": spec.name, "modules": names}
+    if spec.scheme == "gguf":  # mixed: each projection's own
+        model.quantization["module_schemes"] = schemes
     if output:
         model.quantization["output_scheme"] = output_scheme_for(scheme)
     return model
@@ -212,11 +242,15 @@ def load_quantized(path: str | os.PathLike, *, device: torch.device | str = "cpu
     cfg = _config_from_json(meta["ember.config"])
     dtype = getattr(torch, meta["ember.dtype"])
     spec = QuantSpec.parse(q["scheme"])
+    per_module = q.get("module_schemes", {})
     state = load_file(str(path), device=str(device))
     with torch.device("meta"):
         model = Decoder(cfg)
         for name in q["modules"]:
-            s = QuantSpec.parse(q["output_scheme"]) if name == "lm_head" else spec
+            if name == "lm_head":
+                s = QuantSpec.parse(q["output_scheme"])
+            else:
+                s = QuantSpec.parse(per_module[name]) if name in per_module else spec
             shape = state[f"{name}.qweight"].shape
             in_features = shape[1] * (2 if s.scheme == "int4" else 1)
             bias = f"{name}.bias" in state
