@@ -533,23 +533,9 @@ def test_tiny_random_gguf_matches_transformers(tmp_path, arch):
 
 def test_tiny_k_quants_and_dtype(tmp_path):
     """Q4_K/Q5_K/Q6_K dequantize like transformers; `dtype` casts after the HF-layout fixups."""
-    e, d = 256, 64  # K-quant blocks hold 256 values, so rows must be a multiple of 256
-    t = {"token_embd.weight": ((V, e), QT.Q6_K), "output_norm.weight": ((e,), QT.F32)}
-    for i in range(L):
-        t |= {
-            f"blk.{i}.attn_norm.weight": ((e,), QT.F32),
-            f"blk.{i}.attn_q.weight": ((H * d, e), QT.Q4_K),
-            f"blk.{i}.attn_k.weight": ((KV * d, e), QT.Q5_K),
-            f"blk.{i}.attn_v.weight": ((KV * d, e), QT.Q6_K),
-            f"blk.{i}.attn_output.weight": ((e, H * d), QT.Q4_K),
-            f"blk.{i}.ffn_norm.weight": ((e,), QT.F32),
-            f"blk.{i}.ffn_gate.weight": ((I, e), QT.Q5_K),
-            f"blk.{i}.ffn_up.weight": ((I, e), QT.Q4_K),
-            f"blk.{i}.ffn_down.weight": ((e, I), QT.F16),
-        }
     path = tmp_path / "kq.gguf"
-    spec = {"tensors": t, "keys": {"llama.rope.dimension_count": d}}
-    _write_tiny(path, "llama", spec, np.random.default_rng(1), hidden=e)
+    types = dict(q=QT.Q4_K, k=QT.Q5_K, v=QT.Q6_K, output=QT.Q4_K, gate=QT.Q5_K, up=QT.Q4_K, down=QT.F16)
+    _write_wide_llama(path, QT.Q6_K, lambda i: types, seed=1)
     reader = read_gguf(path)
     ours = load_gguf_state_dict(reader)
     assert all(torch.isfinite(v).all() for v in ours.values())
@@ -634,24 +620,38 @@ def test_mixtral_gguf_loads_and_matches_transformers(tmp_path):
     assert (got - ref(ids).logits).abs().max() <= 1e-4
 
 
+def _write_wide_llama(path: Path, embed, types, seed: int) -> None:
+    """A tiny llama 256 wide (K-quant blocks hold 256 values along a row), types(i) giving layer i's q, k, v,
+    output, gate, up and down tensor types."""
+    e, d = 256, 64
+    t = {"token_embd.weight": ((V, e), embed), "output_norm.weight": ((e,), QT.F32)}
+    shapes = dict(
+        q=(H * d, e), k=(KV * d, e), v=(KV * d, e), output=(e, H * d), gate=(I, e), up=(I, e), down=(e, I)
+    )
+    for i in range(L):
+        t |= {f"blk.{i}.attn_norm.weight": ((e,), QT.F32), f"blk.{i}.ffn_norm.weight": ((e,), QT.F32)}
+        for name, qtype in types(i).items():
+            prefix = "ffn" if name in ("gate", "up", "down") else "attn"
+            t[f"blk.{i}.{prefix}_{name}.weight"] = (shapes[name], qtype)
+    spec = {"tensors": t, "keys": {"llama.rope.dimension_count": d}}
+    _write_tiny(path, "llama", spec, np.random.default_rng(seed), hidden=e)
+
+
 def _write_mixed_4bit(path: Path) -> None:
     """A tiny llama whose projections mix 4-bit GGUF types (Q4_0 / Q4_1 / Q4_K) with Q5_0 and F16."""
-    e, d = 256, 64  # Q4_K blocks hold 256 values along a row
-    t = {"token_embd.weight": ((V, e), QT.Q8_0), "output_norm.weight": ((e,), QT.F32)}
-    for i in range(L):
-        t |= {
-            f"blk.{i}.attn_norm.weight": ((e,), QT.F32),
-            f"blk.{i}.attn_q.weight": ((H * d, e), QT.Q4_0),
-            f"blk.{i}.attn_k.weight": ((KV * d, e), QT.Q4_K),
-            f"blk.{i}.attn_v.weight": ((KV * d, e), QT.Q4_1),
-            f"blk.{i}.attn_output.weight": ((e, H * d), [QT.Q4_K, QT.Q4_0][i]),
-            f"blk.{i}.ffn_norm.weight": ((e,), QT.F32),
-            f"blk.{i}.ffn_gate.weight": ((I, e), QT.Q4_0),
-            f"blk.{i}.ffn_up.weight": ((I, e), [QT.Q5_0, QT.F16][i]),
-            f"blk.{i}.ffn_down.weight": ((e, I), [QT.Q4_1, QT.Q4_0][i]),  # I = 128: too narrow for Q4_K
-        }
-    spec = {"tensors": t, "keys": {"llama.rope.dimension_count": d}}
-    _write_tiny(path, "llama", spec, np.random.default_rng(2), hidden=e)
+
+    def types(i: int) -> dict:
+        return dict(
+            q=QT.Q4_0,
+            k=QT.Q4_K,
+            v=QT.Q4_1,
+            output=[QT.Q4_K, QT.Q4_0][i],
+            gate=QT.Q4_0,
+            up=[QT.Q5_0, QT.F16][i],
+            down=[QT.Q4_1, QT.Q4_0][i],  # I = 128: too narrow for Q4_K
+        )
+
+    _write_wide_llama(path, QT.Q8_0, types, seed=2)
 
 
 def _build(path: Path, quantize: str | None):
