@@ -42,8 +42,8 @@ def main() -> None:
     tokens = torch.tensor([base.tokenizer.encode(TEXT, add_special_tokens=False)])
     ref = perplexity(base.model, tokens)
     print(
-        f"{'scheme':<10}{'loaded with it':>16}{'vs float32':>12}{'float, then quantized':>24}{'vs float32':>12}"
-        f"   ({args.model}, {tokens.shape[1]} tokens)"
+        f"{'scheme':<10}{'loaded with it':>16}{'vs float32':>12}"
+        f"{'float, then quantized':>24}{'vs float32':>12}   ({args.model}, {tokens.shape[1]} tokens)"
     )
     print(f"{'float32':<10}{ref:>16.4f}")
     for scheme in args.schemes:

@@ -7,9 +7,10 @@
 Schemes (`SCHEMES`): "int8" (weight-only, per channel), "int4" (weight-only, groups of 128 along K; "int4-gN"
 picks N in 32/64/128/256), "int8-dyn" (int8 weights and dynamically quantized int8 activations, for CPUs
 with VNNI), "gguf" (a GGUF file's own quantization, chosen while loading one: its 4-bit projections as int4
-groups of 32, the rest int8; the model records each projection's scheme). The attention and MLP projections and the output projection are swapped (the output
-projection to int8-dyn under int4 schemes, see `output_scheme_for`); embeddings and norms stay in float. The
-scheme is read from `model.quantization` or the file's metadata, never guessed.
+groups of 32, the rest int8; the model records each projection's scheme). The attention and MLP projections
+and the output projection are swapped (the output projection to int8-dyn under int4 schemes and gguf, see
+`output_scheme_for`); embeddings and norms stay in float. The scheme is read from `model.quantization` or
+the file's metadata, never guessed.
 
 The output projection is the Decoder's `lm_head` module (for tied models it shares the embedding's
 tensor until it is swapped), so it is quantized like any other projection.
