@@ -63,3 +63,40 @@ def test_unbuildable_aoti_step_falls_back_to_torch_compile(tmp_path, monkeypatch
     assert "AOTInductor decode step unavailable" in caplog.text
     assert not isinstance(compiled._decode, AOTIDecodeStep)
     assert tokens == greedy(Generator(model, device=CPU, context=64), prompt, 12)
+
+
+class _Tagged(torch.Tensor):
+    """A wrapper tensor subclass holding another tensor, as torchao's quantized weights do: the outer
+    shape and dtype can be a plain weight's while the data compiled code reads differs."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=torch.float32)
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self.inner = inner
+
+    def __tensor_flatten__(self):
+        return ["inner"], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.detach.default:  # nn.Parameter(t) detaches
+            return cls(args[0].inner)
+        raise NotImplementedError(func)  # only its layout is looked at here
+
+
+def test_package_key_tells_a_tensor_subclass_weight_from_a_plain_one():
+    """A model whose weight became a subclass of the same outer shape (torchao's quantize_) must not load
+    the plain model's package (it did: the package then read weights whose data it cannot see)."""
+    from ember.engine.aoti import package_key
+
+    model = tiny(None)
+    plain = package_key(model, torch.float32)
+    proj = model.model.layers[0].mlp.down_proj
+    w = proj.weight
+    assert package_key(model, torch.float32) == plain
+    proj.weight = torch.nn.Parameter(_Tagged(w.detach().to(torch.int8)), requires_grad=False)
+    tagged_int8 = package_key(model, torch.float32)
+    proj.weight = torch.nn.Parameter(_Tagged(w.detach().to(torch.int16)), requires_grad=False)
+    assert len({plain, tagged_int8, package_key(model, torch.float32)}) == 3  # inner dtypes differ too

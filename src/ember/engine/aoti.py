@@ -86,10 +86,20 @@ def _weights(step: _LastLogits) -> dict[str, torch.Tensor]:
     return {**dict(step.named_parameters()), **dict(step.named_buffers())}
 
 
+def _layout(t: torch.Tensor) -> list:
+    """What compiled code sees of a weight: shape, strides, dtype and class, and for a tensor subclass
+    (torchao's quantized weights) its inner tensors and metadata, which the outer shape does not show."""
+    layout = [tuple(t.shape), tuple(t.stride()), str(t.dtype), f"{type(t).__module__}.{type(t).__qualname__}"]
+    if type(t) not in (torch.Tensor, nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, ctx = t.__tensor_flatten__()
+        layout += [[(name, _layout(getattr(t, name))) for name in names], repr(ctx)]
+    return layout
+
+
 def package_key(model: Decoder, dtype: torch.dtype) -> str:
     """What the compiled code depends on; the weights' values are inputs and so not part of it."""
     weights = _weights(_LastLogits(model))
-    layout = [(n, tuple(t.shape), tuple(t.stride()), str(t.dtype)) for n, t in weights.items()]
+    layout = [(n, _layout(t)) for n, t in weights.items()]
     ident = dict(
         config=asdict(model.config),
         quantization=getattr(model, "quantization", None),
