@@ -138,9 +138,11 @@ def build_model(
         groups, stack = plan[name]
         if get_int4 is None or stack:
             return None
-        parts = [get_int4(renamed[p], spec.group_size) for p in groups[0]]
-        if any(p is None for p in parts):  # a fused projection is taken whole or not at all
-            return None
+        parts = []
+        for p in groups[0]:  # a fused projection is taken whole or not at all
+            if (part := get_int4(renamed[p], spec.group_size)) is None:
+                return None
+            parts.append(part)
         codes, scales, mins = (torch.cat(t) for t in zip(*parts, strict=True))
         if codes.shape != expected[name].shape:
             raise CheckpointError(
