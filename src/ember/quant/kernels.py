@@ -344,60 +344,72 @@ def split_k_partials(x: torch.Tensor, w: torch.Tensor, splits: int) -> torch.Ten
     )
 
 
-def int4_tiled_partials_reference(
-    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int
-) -> torch.Tensor:
-    """x (M, K), tiled words and factors -> (splits, M, N) float32: x @ w.T over each of `splits` equal runs of K."""
-    return split_k_partials(x, int4_tiled_dequantize(words, sz, group_size), splits)
+def _linear_op(name: str, dequantize, launch):
+    """The custom op `ember::<name>` (x (M, K), int4 words and factors of one layout, group size) -> (M, N)
+    in x's dtype, and its reference (torch's linear over `dequantize(words, sz, group_size)`), which runs off
+    CUDA and wherever `launch(x, words, sz, group_size)`, the CUDA path, returns None."""
+
+    def reference(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
+        return F.linear(x, dequantize(words, sz, group_size).to(x.dtype))
+
+    @torch.library.custom_op(f"ember::{name}", mutates_args=())
+    def op(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
+        return reference(x, words, sz, group_size)
+
+    @op.register_fake
+    def _(x, words, sz, group_size):
+        return x.new_empty(x.shape[0], words.shape[0])
+
+    @op.register_kernel("cuda")
+    def _(x, words, sz, group_size):
+        out = launch(x, words, sz, group_size) if HAS_TRITON else None
+        return reference(x, words, sz, group_size) if out is None else out
+
+    return op, reference
 
 
-@torch.library.custom_op("ember::int4_tiled_partials", mutates_args=())
-def int4_tiled_partials(
-    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int
-) -> torch.Tensor:
-    """`int4_tiled_partials_reference`; on CUDA the tiled GEMV's split-K launch without its sum pass."""
-    return int4_tiled_partials_reference(x, words, sz, group_size, splits)
+def _partials_op(name: str, dequantize, launch):
+    """The custom op `ember::<name>` (x (M, K), int4 words and factors of one layout, group size, splits) ->
+    (splits, M, N) float32 partial sums of x @ w.T over `splits` equal runs of K, and its reference (float math
+    on `dequantize(words, sz, group_size)`), which runs off CUDA and wherever `launch(x, words, sz,
+    group_size, splits)`, the CUDA kernel, returns None."""
+
+    def reference(
+        x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int
+    ) -> torch.Tensor:
+        return split_k_partials(x, dequantize(words, sz, group_size), splits)
+
+    @torch.library.custom_op(f"ember::{name}", mutates_args=())
+    def op(
+        x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int
+    ) -> torch.Tensor:
+        return reference(x, words, sz, group_size, splits)
+
+    @op.register_fake
+    def _(x, words, sz, group_size, splits):
+        return x.new_empty(splits, x.shape[0], words.shape[0], dtype=torch.float32)
+
+    @op.register_kernel("cuda")
+    def _(x, words, sz, group_size, splits):
+        out = launch(x, words, sz, group_size, splits) if HAS_TRITON else None
+        return reference(x, words, sz, group_size, splits) if out is None else out
+
+    return op, reference
 
 
-@int4_tiled_partials.register_fake
-def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int):
-    return x.new_empty(splits, x.shape[0], words.shape[0], dtype=torch.float32)
-
-
-@int4_tiled_partials.register_kernel("cuda")
-def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int):
-    if not HAS_TRITON:
-        return int4_tiled_partials_reference(x, words, sz, group_size, splits)
+def _tiled_partials_launch(x, words, sz, group_size, splits):
     from ember.quant import triton_kernels
 
     return triton_kernels.int4_tiled_partials(x.contiguous(), words, sz, group_size, splits)
 
 
-def int4_tiled_linear_reference(
-    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    """x (M, K), tiled words and factors (`int4_tiled_dequantize`) -> (M, N) in x's dtype."""
-    return F.linear(x, int4_tiled_dequantize(words, sz, group_size).to(x.dtype))
+# The tiled GEMV's split-K launch without its sum pass.
+int4_tiled_partials, int4_tiled_partials_reference = _partials_op(
+    "int4_tiled_partials", int4_tiled_dequantize, _tiled_partials_launch
+)
 
 
-@torch.library.custom_op("ember::int4_tiled_linear", mutates_args=())
-def int4_tiled_linear(
-    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    """`int4_tiled_linear_reference`; on CUDA the subnormal-code GEMV for few rows (`triton_kernels.int4_tiled_gemv`)
-    and, for more, a Triton dequantize to the activation dtype and torch's matmul."""
-    return int4_tiled_linear_reference(x, words, sz, group_size)
-
-
-@int4_tiled_linear.register_fake
-def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int):
-    return x.new_empty(x.shape[0], words.shape[0])
-
-
-@int4_tiled_linear.register_kernel("cuda")
-def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int):
-    if not HAS_TRITON:
-        return int4_tiled_linear_reference(x, words, sz, group_size)
+def _tiled_linear_launch(x, words, sz, group_size):
     from ember.quant import triton_kernels
 
     if x.shape[0] <= TILED_GEMV_MAX_ROWS:
@@ -405,62 +417,39 @@ def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int):
     return F.linear(x, triton_kernels.int4_tiled_dequantize(words, sz, group_size, x.dtype))
 
 
-def int4_mma_linear_reference(
-    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    """x (M, K), `int4_mma_tile` words and `int4_mma_scales` factors -> (M, N) in x's dtype."""
-    return F.linear(x, int4_mma_dequantize(words, sz, group_size).to(x.dtype))
+# On CUDA the subnormal-code GEMV for few rows (`triton_kernels.int4_tiled_gemv`) and, for more, a Triton
+# dequantize to the activation dtype and torch's matmul.
+int4_tiled_linear, int4_tiled_linear_reference = _linear_op(
+    "int4_tiled_linear", int4_tiled_dequantize, _tiled_linear_launch
+)
 
 
-@torch.library.custom_op("ember::int4_mma_linear", mutates_args=())
-def int4_mma_linear(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
-    """`int4_mma_linear_reference`; on CUDA the tensor-core GEMV up to 8 rows (`triton_mma.int4_mma_gemv`) and,
-    for more, a Triton dequantize to the activation dtype and torch's matmul."""
-    return int4_mma_linear_reference(x, words, sz, group_size)
-
-
-@int4_mma_linear.register_fake
-def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int):
-    return x.new_empty(x.shape[0], words.shape[0])
-
-
-@int4_mma_linear.register_kernel("cuda")
-def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int):
-    if not HAS_TRITON or x.dtype != torch.bfloat16:  # the mma multiplies bf16
-        return int4_mma_linear_reference(x, words, sz, group_size)
+def _mma_linear_launch(x, words, sz, group_size):
     from ember.quant import triton_mma
 
+    if x.dtype != torch.bfloat16:  # the mma multiplies bf16
+        return None
     if x.shape[0] <= triton_mma.MAX_ROWS:
         return triton_mma.int4_mma_linear(x.contiguous(), words, sz, group_size)
     return F.linear(x, triton_mma.int4_mma_dequantize(words, sz, group_size, x.dtype))
 
 
-def int4_mma_partials_reference(
-    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int
-) -> torch.Tensor:
-    """x (M, K), mma words and factors -> (splits, M, N) float32: x @ w.T over each of `splits` equal runs of K."""
-    return split_k_partials(x, int4_mma_dequantize(words, sz, group_size), splits)
+# On CUDA the tensor-core GEMV up to 8 rows (`triton_mma.int4_mma_gemv`) and, for more, a Triton dequantize
+# to the activation dtype and torch's matmul.
+int4_mma_linear, int4_mma_linear_reference = _linear_op(
+    "int4_mma_linear", int4_mma_dequantize, _mma_linear_launch
+)
 
 
-@torch.library.custom_op("ember::int4_mma_partials", mutates_args=())
-def int4_mma_partials(
-    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int
-) -> torch.Tensor:
-    """`int4_mma_partials_reference`; on CUDA the tensor-core GEMV over `splits` runs of K, unsummed."""
-    return int4_mma_partials_reference(x, words, sz, group_size, splits)
-
-
-@int4_mma_partials.register_fake
-def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int):
-    return x.new_empty(splits, x.shape[0], words.shape[0], dtype=torch.float32)
-
-
-@int4_mma_partials.register_kernel("cuda")
-def _(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, splits: int):
-    if not HAS_TRITON or x.dtype != torch.bfloat16:
-        return int4_mma_partials_reference(x, words, sz, group_size, splits)
+def _mma_partials_launch(x, words, sz, group_size, splits):
     from ember.quant import triton_mma
 
-    if x.shape[0] > triton_mma.MAX_ROWS:
-        return int4_mma_partials_reference(x, words, sz, group_size, splits)
+    if x.dtype != torch.bfloat16 or x.shape[0] > triton_mma.MAX_ROWS:
+        return None
     return triton_mma.int4_mma_gemv(x.contiguous(), words, sz, group_size, splits)
+
+
+# The tensor-core GEMV over `splits` runs of K, unsummed.
+int4_mma_partials, int4_mma_partials_reference = _partials_op(
+    "int4_mma_partials", int4_mma_dequantize, _mma_partials_launch
+)
