@@ -9,6 +9,12 @@ timed calls after 2 warm-up calls (compilation happens in the warm-up). Ember al
     python benchmarks/gpu_llama3_8b.py --engine ember --configs bf16 int8 int4
 
 gpt-fast is not part of this repository: fetch github:meta-pytorch/gpt-fast and pass its directory.
+
+`--engine torchao` is Ember with its projections (output projection included) quantized by torchao instead:
+the same model, attention and compiled step, each projection a plain nn.Linear over a torchao weight
+(`Int8WeightOnlyConfig`; `Int4WeightOnlyConfig` with torch's tinygemm packing, group 128). It answers whether
+Ember's own GEMV kernels earn their place on the GPU. torchao is not an Ember dependency: install it with
+`pip install --no-deps torchao==0.18.0`.
 """
 
 from __future__ import annotations
@@ -39,7 +45,28 @@ def copy_bandwidth() -> float:
     return cb(torch.device("cuda"), nbytes=2 << 30, repeats=20) / 1e9
 
 
-def run_ember(configs: list[str], compile_prefill: bool = False) -> None:
+def torchao_quantize(model: torch.nn.Module, config: str) -> None:
+    """Every projection of `model` becomes a plain nn.Linear (F.linear, no Ember kernel) over a torchao weight."""
+    import torchao.quantization as tq
+
+    from ember.ops.linear import Linear
+
+    for m in model.modules():
+        if type(m) is Linear:
+            m.__class__ = torch.nn.Linear
+    if config == "bf16":
+        return
+    if config == "int8":
+        cfg = tq.Int8WeightOnlyConfig()
+    elif config.startswith("int4"):
+        group = int(config.partition("-g")[2] or 128)
+        cfg = tq.Int4WeightOnlyConfig(group_size=group, int4_packing_format="tile_packed_to_4d")
+    else:
+        raise ValueError(f"torchao: no config for {config!r}")
+    tq.quantize_(model, cfg, filter_fn=lambda m, fqn: type(m) is torch.nn.Linear)
+
+
+def run_ember(configs: list[str], compile_prefill: bool = False, torchao: bool = False) -> None:
     from ember.bench import random_model, run_bench
     from ember.quant import quantize_model
 
@@ -47,7 +74,9 @@ def run_ember(configs: list[str], compile_prefill: bool = False) -> None:
     emit(engine="copy", config="d2d", bandwidth_gb_s=round(copy_bandwidth(), 1))
     for config in configs:
         model = random_model("llama-3-8b", device=dev, dtype=torch.bfloat16)
-        if config != "bf16":
+        if torchao:
+            torchao_quantize(model, config)
+        elif config != "bf16":
             quantize_model(model, config)
         t0 = time.perf_counter()
         r = run_bench(
@@ -60,11 +89,11 @@ def run_ember(configs: list[str], compile_prefill: bool = False) -> None:
             warmup=WARMUP,
             compile=True,
             compile_prefill=compile_prefill,
-            quantize=None if config == "bf16" else config,
+            quantize=None if config == "bf16" or torchao else config,
             measure_device=False,
         )
         emit(
-            engine="ember",
+            engine="ember + torchao" if torchao else "ember",
             config=config,
             compile_prefill=compile_prefill,
             total_tok_s=r.total_tokens_per_s,
@@ -201,7 +230,7 @@ def run_transformers() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", choices=["ember", "gpt-fast", "transformers"])
+    ap.add_argument("--engine", choices=["ember", "torchao", "gpt-fast", "transformers"])
     ap.add_argument("--configs", nargs="*", default=["bf16", "int8", "int4"])
     ap.add_argument("--gpt-fast", type=Path, default=Path(".peers/gpt-fast"))
     ap.add_argument("--all", action="store_true", help="ember, gpt-fast and transformers, one process each")
@@ -217,8 +246,8 @@ def main() -> None:
         for config in args.configs:
             profile_ember(config)
         return
-    if args.engine == "ember":
-        return run_ember(args.configs, args.compile_prefill)
+    if args.engine in ("ember", "torchao"):
+        return run_ember(args.configs, args.compile_prefill, torchao=args.engine == "torchao")
     if args.engine == "gpt-fast":
         return run_gpt_fast(args.configs, args.gpt_fast)
     if args.engine == "transformers":

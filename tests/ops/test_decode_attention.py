@@ -42,25 +42,26 @@ def test_reference_matches_sdpa_with_the_cache_mask(window):
 
 @needs_triton
 @pytest.mark.parametrize(
-    "H,K,D,rotary,splits,window",
+    "H,K,D,rotary,splits,window,S",
     [
-        (8, 2, 32, 32, 1, 0),  # G = 4 query heads per kv head, the whole cache in one program
-        (6, 2, 24, 24, 4, 0),  # G = 3 and D = 24 (both padded), four chunks merged
-        (4, 4, 16, 8, 2, 0),  # no grouping (G = 1); partial rotary: dims 8..15 pass through
-        (8, 2, 32, 32, 4, 50),  # sliding window: chunks wholly out of view stay empty
-        (8, 2, 32, 32, None, 0),  # the default tiles for a short cache (two chunks, 128-slot steps)
+        (8, 2, 32, 32, 1, 0, 200),  # G = 4 query heads per kv head, the whole cache in one program
+        (6, 2, 24, 24, 4, 0, 200),  # G = 3 and D = 24 (both padded), four chunks merged
+        (4, 4, 16, 8, 2, 0, 200),  # no grouping (G = 1); partial rotary: dims 8..15 pass through
+        (8, 2, 32, 32, 4, 50, 200),  # sliding window: chunks wholly out of view stay empty
+        (8, 2, 32, 32, None, 0, 200),  # the default tiles for a short cache (two chunks, 128-slot steps)
+        (8, 2, 32, 32, None, 0, 400),  # ... and past 256 slots (two chunks of one 256-slot step each)
     ],
 )
-def test_triton_kernel_matches_reference_in_interpreter(H, K, D, rotary, splits, window):
+def test_triton_kernel_matches_reference_in_interpreter(H, K, D, rotary, splits, window, S):
     from ember.ops.triton_attention import decode_attention
 
-    B, S = 3, 200
+    B = 3
     g = torch.Generator().manual_seed(0)
     qkv = randn(
         B, (H + 2 * K) * D, g=g
     )  # this step's projections; q, k, v are strided views, as in the model
     q, k, v = (t.view(B, -1, D) for t in qkv.split([H * D, K * D, K * D], dim=-1))
-    pos = torch.tensor([0, 77, 199])  # first slot, inside a chunk, last slot
+    pos = torch.tensor([0, 77, S - 1])  # first slot, inside a chunk, last slot
     cos, sin = rope_for(rotary, pos)  # (B, 1, R)
     k_cache, v_cache = randn(B, K, S, D, g=g), randn(B, K, S, D, g=g)
     want_k, want_v = k_cache.clone(), v_cache.clone()

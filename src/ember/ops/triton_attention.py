@@ -260,8 +260,9 @@ def decode_attention(
 def default_tiles(S: int, D: int) -> tuple[int, int, int]:
     """(chunks of the cache per (row, kv head), slots per loop step, warps) for S slots of head dim D, the
     fastest measured on an H200 (`benchmarks/gpu_decode_step.py`, BENCHMARKS.md): up to 512 slots two chunks
-    of 8 warps, in steps of 128 where a (128, D) tile fits in shared memory (D <= 128; the kernel's fixed
-    costs dominate at these lengths), past that about one chunk per 128 slots, at most 16, in steps of 64."""
+    of 8 warps, each chunk one step of up to 256 slots where D <= 128 (so that all of a chunk's keys and
+    values are loaded before the wait on the qkv projection; the kernel's fixed costs dominate at these
+    lengths; else steps of 64), past that about one chunk per 128 slots, at most 16, in steps of 64."""
     if S <= 512:
-        return 2, (128 if D <= 128 else 64), 8
+        return 2, ((256 if S > 256 else 128) if D <= 128 else 64), 8
     return min(16, triton.next_power_of_2(triton.cdiv(S, 128))), 64, 4
