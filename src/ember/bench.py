@@ -21,6 +21,7 @@ import torch
 
 from ember.engine.generate import Generator
 from ember.engine.sampler import SamplingParams
+from ember.errors import ContextLengthError, InvalidParameterError
 from ember.models.decoder import Decoder
 
 # Hugging Face config.json fields of real models, for random-weight benchmarks.
@@ -213,12 +214,25 @@ def run_bench(
     quantize: str | None = None,
     measure_device: bool = True,
     seed: int = 0,
+    max_seq_len: int | None = None,
 ) -> BenchResult:
     """Generates `new_tokens` greedily after a random `prompt_tokens` prompt, `warmup` + `repeats` times.
 
-    Reports the median of the timed repeats. EOS is ignored so every run decodes exactly `new_tokens`.
+    Reports the median of the timed repeats. EOS is ignored so every run decodes exactly `new_tokens`. The
+    prompt and the new tokens must fit in the model's context (capped by `max_seq_len`).
     """
+    if min(prompt_tokens, new_tokens, repeats) < 1 or warmup < 0:
+        raise InvalidParameterError(
+            f"prompt_tokens={prompt_tokens}, new_tokens={new_tokens}, repeats={repeats}, warmup={warmup}: "
+            "expected at least 1 of each (warmup at least 0)"
+        )
+    limit = bench_context(model, max_seq_len)
     context = prompt_tokens + new_tokens
+    if context > limit:
+        raise ContextLengthError(
+            f"{prompt_tokens} prompt tokens + {new_tokens} new tokens = {context} do not fit the context of "
+            f"{limit} tokens"
+        )
     gen = Generator(model, device=device, context=context, compile=compile, compile_prefill=compile_prefill)
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, model.config.vocab_size, (prompt_tokens,), generator=g).tolist()
@@ -271,6 +285,12 @@ def run_bench(
         peak_memory_mb=round(peak, 1),
         runs=runs,
     )
+
+
+def bench_context(model: Decoder, max_seq_len: int | None = None) -> int:
+    """The most tokens (prompt and new) a bench run may use: the model's context, capped by max_seq_len."""
+    limit = model.config.max_position_embeddings
+    return min(limit, max_seq_len) if max_seq_len is not None else limit
 
 
 def _activation_dtype(model: Decoder) -> torch.dtype:

@@ -89,6 +89,12 @@ class LLM:
         progress: bool = False,
         engine_config: EngineConfig | None = None,
     ) -> None:
+        if max_seq_len is not None and (
+            isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1
+        ):
+            raise InvalidParameterError(
+                f"max_seq_len={max_seq_len!r} is invalid; expected an integer >= 1 or None"
+            )
         self.loaded: LoadedModel = load(
             model,
             device=device,

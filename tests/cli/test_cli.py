@@ -168,3 +168,60 @@ def test_download_without_network_is_one_clear_line(capsys, monkeypatch, tmp_pat
     monkeypatch.setenv("HF_HUB_DOWNLOAD_TIMEOUT", "3")
     code, _, err = run_cli(capsys, "download", "HuggingFaceTB/SmolLM2-360M-Instruct")
     assert_one_line_error(code, err, "HuggingFaceTB/SmolLM2-360M-Instruct")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["bench", "--repeats", "0"], "argument --repeats: 0 is out of range; expected an integer >= 1"),
+        (["bench", "--warmup", "-1"], "argument --warmup: -1 is out of range; expected an integer >= 0"),
+        (["bench", "--threads", "two"], "argument --threads: 'two' is not an integer"),
+        (["generate", "hi", "--max-seq-len", "0"], "argument --max-seq-len: 0 is out of range"),
+        (["generate", "hi", "--max-new-tokens", "-3"], "argument --max-new-tokens: -3 is out of range"),
+        (
+            ["serve", "--port", "70000"],
+            "argument --port: 70000 is out of range; expected an integer from 0 to 65535",
+        ),
+        (["serve", "--max-num-seqs", "0"], "argument --max-num-seqs: 0 is out of range"),
+        (
+            ["serve", "--max-body-mib", "0"],
+            "argument --max-body-mib: 0 is out of range; expected a number > 0",
+        ),
+        (
+            ["serve", "--drain-timeout", "nan"],
+            "argument --drain-timeout: nan is out of range; expected a number >= 0",
+        ),
+    ],
+)
+def test_out_of_range_options_are_usage_errors(capsys, args, message):
+    # Refused while parsing, before a model loads or a port opens (these used to start a server with
+    # nonsensical limits, or fail later with a traceback).
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--max-seq-len", "32"], "= 38 tokens do not fit the context of 32 (set by --max-seq-len)"),
+        (["--prompt-tokens", "5000"], "= 5008 tokens do not fit the context of 512 (the model's maximum)"),
+    ],
+)
+def test_bench_run_longer_than_the_context(capsys, tiny_llama_dir, extra, message):
+    args = ["bench", "--model", str(tiny_llama_dir), "--prompt-tokens", "30", "--new-tokens", "8", *extra]
+    code, _, err = run_cli(capsys, *args)
+    assert_one_line_error(code, err, message)
+
+
+def test_api_rejects_a_context_below_one_token():
+    from ember.engine.core import EngineConfig
+    from ember.errors import InvalidParameterError
+    from ember.llm import LLM
+
+    with pytest.raises(InvalidParameterError, match="max_seq_len=0 is invalid"):
+        LLM("unused", max_seq_len=0)  # refused before anything loads
+    with pytest.raises(InvalidParameterError, match="max_num_seqs=0 is invalid"):
+        EngineConfig(max_num_seqs=0)

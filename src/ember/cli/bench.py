@@ -13,8 +13,8 @@ import logging
 
 import torch
 
-from ember.cli.common import add_model_options, model_name
-from ember.errors import EmberError
+from ember.cli.common import add_model_options, integer, model_name
+from ember.errors import ContextLengthError, EmberError
 
 log = logging.getLogger(__name__)
 
@@ -31,17 +31,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=sorted(RANDOM_SHAPES),
         help=f"random weights of a real model's shape instead of a checkpoint: {', '.join(RANDOM_SHAPES)}",
     )
-    p.add_argument("--prompt-tokens", type=int, default=128, help="prompt length (default: 128)")
-    p.add_argument("--new-tokens", type=int, default=256, help="tokens to generate per run (default: 256)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported (default: 3)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (compilation happens here)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+    p.add_argument("--prompt-tokens", type=integer(1), default=128, help="prompt length (default: 128)")
+    p.add_argument(
+        "--new-tokens", type=integer(1), default=256, help="tokens to generate per run (default: 256)"
+    )
+    p.add_argument(
+        "--repeats", type=integer(1), default=3, help="timed runs; the median is reported (default: 3)"
+    )
+    p.add_argument(
+        "--warmup", type=integer(0), default=1, help="untimed runs first (compilation happens here)"
+    )
+    p.add_argument("--threads", type=integer(1), default=None, help="CPU threads (torch.set_num_threads)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ember.bench import random_model, run_bench
+    from ember.bench import bench_context, random_model, run_bench
     from ember.loading.checkpoint import pick_device, pick_dtype
 
     if args.threads:
@@ -75,6 +81,13 @@ def run(args: argparse.Namespace) -> int:
             quant_cache=args.quant_cache,
         )
         model, device, name = loaded.model, loaded.device, loaded.name
+    limit = bench_context(model, args.max_seq_len)
+    if args.prompt_tokens + args.new_tokens > limit:
+        source = "set by --max-seq-len" if limit == args.max_seq_len else "the model's maximum"
+        raise ContextLengthError(
+            f"--prompt-tokens {args.prompt_tokens} + --new-tokens {args.new_tokens} = "
+            f"{args.prompt_tokens + args.new_tokens} tokens do not fit the context of {limit} ({source})"
+        )
     result = run_bench(
         model,
         name=name,
@@ -86,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
         compile=args.compile,
         compile_prefill=args.compile_prefill,
         quantize=args.quantize,
+        max_seq_len=args.max_seq_len,
     )
     if args.json:
         print(json.dumps(result.to_dict()))

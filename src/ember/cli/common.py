@@ -4,10 +4,43 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 
 from ember.engine.sampler import SamplingParams
 from ember.loading.hub import DEFAULT_MODEL
+
+
+def integer(minimum: int, maximum: int | None = None):
+    """An argparse type: an integer in [minimum, maximum], else a usage error naming the value and the range."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            want = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range; expected an integer {want}")
+        return value
+
+    return parse
+
+
+def number(minimum: float, *, inclusive: bool):
+    """An argparse type: a finite float above `minimum` (or equal to it, if inclusive), else a usage error."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
+            want = f">= {minimum:g}" if inclusive else f"> {minimum:g}"
+            raise argparse.ArgumentTypeError(f"{text} is out of range; expected a number {want}")
+        return value
+
+    return parse
 
 
 def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = False) -> None:
@@ -30,7 +63,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = Fal
         help="weights and activations dtype (auto: float32 on CPU, bfloat16 on GPU)",
     )
     parser.add_argument(
-        "--max-seq-len", type=int, default=None, help="cap the context (and the KV cache) length"
+        "--max-seq-len", type=integer(1), default=None, help="cap the context (and the KV cache) length"
     )
     parser.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
     parser.add_argument(
@@ -64,7 +97,9 @@ def model_name(args: argparse.Namespace) -> str:
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling (unset values come from the model's generation_config)")
-    g.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
+    g.add_argument(
+        "--max-new-tokens", type=integer(1), default=256, help="most tokens to generate (default: 256)"
+    )
     g.add_argument("--temperature", type=float, default=None, help="0 means greedy (default: 0.7)")
     g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (0: off)")
     g.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (1.0: off)")

@@ -14,7 +14,7 @@ import argparse
 import logging
 import os
 
-from ember.cli.common import add_model_options, load_llm, model_name
+from ember.cli.common import add_model_options, integer, load_llm, model_name, number
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)"
     )
-    p.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--port", type=integer(0, 65535), default=8000, help="port to listen on (default: 8000)")
     p.add_argument(
         "--api-key",
         default=os.environ.get(API_KEY_ENV),
@@ -41,25 +41,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None, help="the model id clients use (default: MODEL)")
     e = p.add_argument_group("engine")
     e.add_argument(
-        "--max-num-seqs", type=int, default=64, help="most requests in the running batch (default: 64)"
+        "--max-num-seqs", type=integer(1), default=64, help="most requests in the running batch (default: 64)"
     )
     e.add_argument(
-        "--max-batched-tokens", type=int, default=512, help="most tokens computed in one step (default: 512)"
+        "--max-batched-tokens",
+        type=integer(1),
+        default=512,
+        help="most tokens computed in one step (default: 512)",
     )
     e.add_argument(
         "--kv-cache-gib",
-        type=float,
+        type=number(0, inclusive=False),
         default=None,
         help="KV-cache memory (default: 1 on CPU, 80%% of free GPU memory)",
     )
     e.add_argument("--no-prefix-caching", action="store_true", help="do not share KV blocks between prompts")
     lim = p.add_argument_group("limits")
-    lim.add_argument("--max-waiting", type=int, default=256, help="queued requests before 429 (default: 256)")
-    lim.add_argument("--max-n", type=int, default=16, help="most choices per request (default: 16)")
-    lim.add_argument("--max-body-mib", type=float, default=4.0, help="largest request body (default: 4 MiB)")
+    lim.add_argument(
+        "--max-waiting", type=integer(0), default=256, help="queued requests before 429 (default: 256)"
+    )
+    lim.add_argument("--max-n", type=integer(1), default=16, help="most choices per request (default: 16)")
+    lim.add_argument(
+        "--max-body-mib",
+        type=number(0, inclusive=False),
+        default=4.0,
+        help="largest request body (default: 4 MiB)",
+    )
     lim.add_argument(
         "--drain-timeout",
-        type=float,
+        type=number(0, inclusive=True),
         default=30.0,
         help="seconds running requests get at shutdown (default: 30)",
     )

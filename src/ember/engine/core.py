@@ -36,6 +36,16 @@ class EngineConfig:
     max_batched_tokens: int = 512
     prefix_caching: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_batched_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidParameterError(f"{name}={value!r} is invalid; expected an integer >= 1")
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
+            raise InvalidParameterError(
+                f"kv_cache_memory={self.kv_cache_memory!r} is invalid; expected a positive byte count or None"
+            )
+
 
 @dataclass
 class EngineStats:
