@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 
@@ -142,12 +143,16 @@ def compile_decode_step(model: Decoder, cache: StaticKVCache, path: Path) -> Non
     example = (*weights.values(), token, token.clone(), *cache.k, *cache.v)
     S = torch.export.Dim("S", min=2, max=1 << 20)
     shapes = (tuple([None] * (len(weights) + 2) + [{2: S}] * (2 * L)),)  # k, v (B, K, S, D)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # torch's own pytree code trips its own deprecation here (torch 2.13); nothing a user can act on.
+        warnings.filterwarnings(
+            "ignore", message=r"`isinstance\(treespec, LeafSpec\)`", category=FutureWarning
+        )
         exported = torch.export.export(
             _Exported(step, list(weights), cache), example, dynamic_shapes=shapes, strict=False
         )
-    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
-    torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp))
+        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp))
     tmp.replace(path)  # atomic: a concurrent reader never sees half a package
 
 
