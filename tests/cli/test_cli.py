@@ -225,3 +225,25 @@ def test_api_rejects_a_context_below_one_token():
         LLM("unused", max_seq_len=0)  # refused before anything loads
     with pytest.raises(InvalidParameterError, match="max_num_seqs=0 is invalid"):
         EngineConfig(max_num_seqs=0)
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("tpu", "device 'tpu' is not a torch device; expected cpu, cuda, cuda:N or mps"),
+        ("meta", "device 'meta' is not supported; expected cpu, cuda, cuda:N or mps"),
+        pytest.param(
+            "mps",
+            "device 'mps' asked for, but this torch build sees no MPS device",
+            marks=pytest.mark.skipif(torch.backends.mps.is_available(), reason="this machine has MPS"),
+        ),
+        pytest.param(
+            "cuda:0",
+            "device 'cuda:0' asked for, but this torch build sees no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA"),
+        ),
+    ],
+)
+def test_unusable_device_is_one_clear_line(capsys, device, message):
+    code, _, err = run_cli(capsys, "bench", "--random-weights", "tiny", "--device", device)
+    assert_one_line_error(code, err, message)

@@ -54,14 +54,23 @@ def pick_device(device: str | None) -> torch.device:
         if torch.backends.mps.is_available():
             return torch.device("mps")
         return torch.device("cpu")
+    expected = "expected cpu, cuda, cuda:N or mps"
     try:
         dev = torch.device(device)
     except RuntimeError:
-        raise EmberError(
-            f"device {device!r} is not a torch device; expected cpu, cuda, cuda:N or mps"
-        ) from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise EmberError(f"device {device!r} asked for, but this torch build sees no CUDA device")
+        raise EmberError(f"device {device!r} is not a torch device; {expected}") from None
+    if dev.type not in ("cpu", "cuda", "mps"):
+        raise EmberError(f"device {device!r} is not supported; {expected}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise EmberError(f"device {device!r} asked for, but this torch build sees no CUDA device")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise EmberError(
+                f"device {device!r} asked for, but this machine has {count} CUDA device(s): cuda:0..{count - 1}"
+            )
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise EmberError(f"device {device!r} asked for, but this torch build sees no MPS device")
     return dev
 
 
