@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ember.engine.generate import Generator
+from ember.engine.generate import Generator, check_fits
 from ember.engine.sampler import SamplingParams
-from ember.errors import ContextLengthError, InvalidParameterError
+from ember.errors import InvalidParameterError
 from ember.models.decoder import Decoder
 
 # Hugging Face config.json fields of real models, for random-weight benchmarks.
@@ -226,13 +226,8 @@ def run_bench(
             f"prompt_tokens={prompt_tokens}, new_tokens={new_tokens}, repeats={repeats}, warmup={warmup}: "
             "expected at least 1 of each (warmup at least 0)"
         )
-    limit = bench_context(model, max_seq_len)
+    check_fits(prompt_tokens, new_tokens, bench_context(model, max_seq_len))
     context = prompt_tokens + new_tokens
-    if context > limit:
-        raise ContextLengthError(
-            f"{prompt_tokens} prompt tokens + {new_tokens} new tokens = {context} do not fit the context of "
-            f"{limit} tokens"
-        )
     gen = Generator(model, device=device, context=context, compile=compile, compile_prefill=compile_prefill)
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, model.config.vocab_size, (prompt_tokens,), generator=g).tolist()
