@@ -34,7 +34,7 @@ def test_bench_random_weights_quantized(capsys):
 @pytest.mark.parametrize(
     "scheme, message",
     [
-        ("gguf", "--quantize gguf keeps a GGUF file's own quantization; random weights have none"),
+        ("gguf", "quantization 'gguf' keeps a GGUF file's own quantization; random weights have none"),
         ("int3", "quantization 'int3' is not supported; expected one of int8, int4"),
     ],
 )

@@ -14,7 +14,7 @@ import logging
 import torch
 
 from ember.cli.common import add_model_options, integer, model_name
-from ember.errors import ContextLengthError, EmberError
+from ember.errors import ContextLengthError
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +54,10 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     if args.random_weights:
         if args.quantize:  # a bad scheme is refused before a model of real size is built
-            from ember.quant import QuantSpec
+            from ember.quant import QuantSpec, not_gguf
 
             if QuantSpec.parse(args.quantize).scheme == "gguf":
-                raise EmberError(
-                    "--quantize gguf keeps a GGUF file's own quantization; random weights have none "
-                    "(use int8, int4-gN or int8-dyn)"
-                )
+                raise not_gguf("random weights have none")
         device = pick_device(args.device)
         model = random_model(args.random_weights, device=device, dtype=pick_dtype(args.dtype, device))
         if args.quantize:

@@ -123,10 +123,9 @@ def load(
     dt = pick_dtype(dtype, dev)
     gen_defaults: dict = {}
     if quantize == "gguf" and resolved.format != "gguf":
-        raise EmberError(
-            f"quantization 'gguf' keeps a GGUF file's own quantization; {resolved.path} is not a GGUF file "
-            "(for its weights use int8, int4-gN or int8-dyn)"
-        )
+        from ember.quant import not_gguf
+
+        raise not_gguf(f"{resolved.path} is not a GGUF file")
     if resolved.format == "gguf":
         from ember.loading import gguf
 

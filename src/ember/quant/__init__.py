@@ -94,6 +94,13 @@ class QuantSpec:
         return module.scheme == self.scheme and getattr(module, "group_size", None) == self.group_size
 
 
+def not_gguf(weights: str) -> EmberError:
+    """The error for the "gguf" scheme asked of weights that are not a GGUF file's (`weights` says whose)."""
+    return EmberError(
+        f"quantization 'gguf' keeps a GGUF file's own quantization; {weights} (use int8, int4-gN or int8-dyn)"
+    )
+
+
 def quantized_projections(model: nn.Module) -> list[str]:
     """The names of the projections a scheme swaps (attention and dense MLP; MoE experts stay float), also
     those a loader already swapped while reading the weights (`ember.loading.weights.build_model`)."""
@@ -153,10 +160,7 @@ def quantize_model(model: nn.Module, scheme: str, *, output: bool = True) -> nn.
         raise EmberError(f"the model is already quantized ({model.quantization['scheme']})")
     names = check_fits(model, spec)
     if spec.scheme == "gguf" and not all(isinstance(model.get_submodule(n), QuantLinear) for n in names):
-        raise EmberError(
-            "quantization 'gguf' keeps a GGUF file's own quantization and is chosen when loading one; "
-            "for other weights use int8, int4-gN or int8-dyn"
-        )
+        raise not_gguf("it is chosen when loading one, and this model's projections are float")
     schemes: dict[str, str] = {}
     for name in names:
         module = model.get_submodule(name)
