@@ -237,6 +237,7 @@ def time_attention_at(S: int, layers: int = 32) -> None:
                     ps,
                     D**-0.5,
                     0,
+                    *caches[(i + 1) % layers],  # the next layer's, prefetched into L2 on sm_90+
                     splits=sp,
                     block_s=bs,
                     num_warps=w,
@@ -245,7 +246,7 @@ def time_attention_at(S: int, layers: int = 32) -> None:
 
             row.append(timed_graph(call, layers) - gemv)
         print(f"{S:>6} {p:>6} " + " ".join(f"{t * 1e6:8.2f}" for t in row) +
-              f"   (default {triton_attention.default_tiles(S, 128)}; qkv GEMV alone {gemv * 1e6:.2f})", flush=True)  # fmt: skip
+              f"   (default {triton_attention.default_tiles(S, 128, prefetch=True)}; qkv GEMV alone {gemv * 1e6:.2f})", flush=True)  # fmt: skip
 
 
 def time_attention() -> None:

@@ -50,6 +50,7 @@ def test_reference_matches_sdpa_with_the_cache_mask(window):
         (8, 2, 32, 32, 4, 50, 200),  # sliding window: chunks wholly out of view stay empty
         (8, 2, 32, 32, None, 0, 200),  # the default tiles for a short cache (two chunks, 128-slot steps)
         (8, 2, 32, 32, None, 0, 400),  # ... and past 256 slots (two chunks of one 256-slot step each)
+        (8, 2, 32, 32, 8, 0, 400),  # eight chunks (the tiles where the next layer's cache is prefetched)
     ],
 )
 def test_triton_kernel_matches_reference_in_interpreter(H, K, D, rotary, splits, window, S):
@@ -69,11 +70,17 @@ def test_triton_kernel_matches_reference_in_interpreter(H, K, D, rotary, splits,
     for b, p in enumerate(pos.tolist()):  # slots from a row's position on are never read: poison them
         k_cache[b, :, p:] = float("nan")
         v_cache[b, :, p:] = float("nan")
+    k_next, v_next = (
+        randn(B, K, S, D, g=g),
+        randn(B, K, S, D, g=g),
+    )  # the next layer's: a hint, left as they are
+    next_before = k_next.clone(), v_next.clone()
     got = decode_attention(
-        q, k, v, cos[:, 0], sin[:, 0], k_cache, v_cache, pos, 0.25, window,
+        q, k, v, cos[:, 0], sin[:, 0], k_cache, v_cache, pos, 0.25, window, k_next, v_next,
         splits=splits, block_s=None if splits is None else 32,
     )  # fmt: skip
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert torch.equal(k_next, next_before[0]) and torch.equal(v_next, next_before[1])
     rows = torch.arange(B)
     # The rotated key and the value were stored at each row's position.
     torch.testing.assert_close(k_cache[rows, :, pos], want_k[rows, :, pos], atol=1e-6, rtol=1e-6)

@@ -70,8 +70,10 @@ class StaticKVCache:
         assert pos is not None, "StaticKVCache.begin(positions) must run before the forward"
         B, T, H, D = q.shape
         if T == 1 and softcap is None and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-            # One kernel: rope, this step's cache write, attention over the slots up to each position.
+            # One kernel: rope, this step's cache write, attention over the slots up to each position; it also
+            # hints the next layer's cache into L2.
             cos, sin = rope
+            nxt = layer + 1 if layer + 1 < len(self.k) else None
             out = cuda_decode_attention(
                 q.view(B, H, D),
                 k.view(B, -1, D),
@@ -83,6 +85,8 @@ class StaticKVCache:
                 pos[:, 0],
                 scale,
                 window or 0,
+                None if nxt is None else self.k[nxt][:B],
+                None if nxt is None else self.v[nxt][:B],
             )  # (B, H, D)
             return out.unsqueeze(1)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)

@@ -72,18 +72,21 @@ def decode_attention(
     positions: torch.Tensor,
     scale: float,
     window: int,
+    k_next: torch.Tensor | None = None,
+    v_next: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`decode_attention_reference`; the Triton kernel on CUDA."""
+    """`decode_attention_reference`; the Triton kernel on CUDA. k_next, v_next (optional): the next layer's
+    caches, which the kernel may pull into L2 for that layer (a hint; nothing reads or writes them here)."""
     return decode_attention_reference(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window)
 
 
 @decode_attention.register_fake
-def _(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window):
+def _(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window, k_next=None, v_next=None):
     return torch.empty_like(q)
 
 
 @decode_attention.register_kernel("cuda")
-def _(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window):
+def _(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window, k_next=None, v_next=None):
     # The kernel takes one row stride per tensor (cos and sin share one) and unit strides within a row.
     rows_ok = (
         all(t.stride(-1) == 1 for t in (q, k, v, cos, sin))
@@ -94,6 +97,6 @@ def _(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window):
         from ember.ops import triton_attention
 
         return triton_attention.decode_attention(
-            q, k, v, cos, sin, k_cache, v_cache, positions.contiguous(), scale, window
+            q, k, v, cos, sin, k_cache, v_cache, positions.contiguous(), scale, window, k_next, v_next
         )
     return decode_attention_reference(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window)

@@ -33,14 +33,26 @@ import torch
 
 
 @functools.cache
-def _supported(index: int) -> bool:
+def _hopper(index: int) -> bool:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":  # the interpreter runs no PTX
         return False
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+@functools.cache
+def _supported(index: int) -> bool:
     try:
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401
     except ImportError:  # a Triton without grid dependency control
         return False
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return _hopper(index)
+
+
+def hopper(device: torch.device) -> bool:
+    """Whether Triton kernels on `device` run compiled on compute capability 9.0 or later (sm_90 PTX)."""
+    if device.type != "cuda":
+        return False
+    return _hopper(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def pdl(device: torch.device) -> bool:

@@ -86,15 +86,25 @@ def _row_and_features(M, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _gemv_weights(w_ptrs, k0, rk, K: tl.constexpr, UP: tl.constexpr, EVEN_K: tl.constexpr, GLU: tl.constexpr):
+def _gemv_weights(
+    w_ptrs,
+    k0,
+    rk,
+    K: tl.constexpr,
+    UP: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    GLU: tl.constexpr,
+    EVICT: tl.constexpr,
+):
     # One step's weight tile, and with GLU the up rows' tile UP elements further (else w again, unused).
+    # EVICT: the loads' L2 eviction policy (see _gemv_kernel).
     if EVEN_K:
-        w = tl.load(w_ptrs)
-        wu = tl.load(w_ptrs + UP) if GLU else w
+        w = tl.load(w_ptrs, eviction_policy=EVICT)
+        wu = tl.load(w_ptrs + UP, eviction_policy=EVICT) if GLU else w
     else:
         k_ok = (k0 + rk < K)[None, :]
-        w = tl.load(w_ptrs, mask=k_ok, other=0)
-        wu = tl.load(w_ptrs + UP, mask=k_ok, other=0) if GLU else w
+        w = tl.load(w_ptrs, mask=k_ok, other=0, eviction_policy=EVICT)
+        wu = tl.load(w_ptrs + UP, mask=k_ok, other=0, eviction_policy=EVICT) if GLU else w
     return w, wu
 
 
@@ -196,12 +206,15 @@ def _gemv_kernel(
     GLU: tl.constexpr = False,
     PDL: tl.constexpr = False,
     ACC8: tl.constexpr = False,
+    EVICT: tl.constexpr = "",
 ):
     # Float weights (INT8=False, s_ptr unused), or int8 codes with one scale per row (INT8=True; MAGIC picks
     # how codes become floats, see _int8_to_float).
     # GLU: the weight is gate rows [0, N) over up rows [N, 2N) (a fused gate/up projection); each program
     # also reads the up rows of its gate rows and stores silu(gate) * up, so y has N columns.
     # PDL (`ember.ops.launch`): the first weight tile is loaded before waiting for the kernel before.
+    # EVICT="evict_first" (one activation row): each weight is read once a step, so its lines are the first to
+    # leave L2, which keeps the step's KV cache there (see `ember.ops.triton_attention`'s prefetch).
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     m, rn = _row_and_features(M, BLOCK_N)
@@ -210,7 +223,7 @@ def _gemv_kernel(
     w_ptrs = w_ptr + rows[:, None] * K + rk[None, :]
     x_ptrs = x_ptr + m * K + (rows * 0)[:, None] + rk[None, :]  # (BLOCK_N, BLOCK_K): see _gemv_step
     # The first step is peeled: its weights need nothing from the kernel before, its activations do.
-    w, wu = _gemv_weights(w_ptrs, 0, rk, K, N * K, EVEN_K, GLU)
+    w, wu = _gemv_weights(w_ptrs, 0, rk, K, N * K, EVEN_K, GLU, EVICT)
     if ACC8:
         # Zeros in the layout the weights' load gave (tl.zeros picks one of its own, and the FMAs converted
         # between the two through shared memory).
@@ -224,7 +237,7 @@ def _gemv_kernel(
     for k0 in range(BLOCK_K, K, BLOCK_K):
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-        w, wu = _gemv_weights(w_ptrs, k0, rk, K, N * K, EVEN_K, GLU)
+        w, wu = _gemv_weights(w_ptrs, k0, rk, K, N * K, EVEN_K, GLU, EVICT)
         acc, acc_up = _gemv_step(acc, acc_up, w, wu, x_ptrs, k0, rk, K, EVEN_K, INT8, MAGIC, GLU, ACC8)
     out = tl.sum(acc, axis=1)
     if INT8:
@@ -529,7 +542,8 @@ def fused_gemv(
     (M, K), N = x.shape, weight.shape[0] // (2 if glu else 1)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     int8 = scales is not None
-    consts = {"INT8": int8, "GLU": glu, **launch_options(x.device)}
+    # One row reads each weight once; more rows read a block one program after another (_row_and_features).
+    consts = {"INT8": int8, "GLU": glu, "EVICT": "evict_first" if M == 1 else "", **launch_options(x.device)}
     if blocks is None or "MAGIC" not in blocks:
         consts["MAGIC"] = int8_magic() if int8 else 0
     grid = lambda b: (triton.cdiv(N, b["BLOCK_N"]) * M,)  # noqa: E731

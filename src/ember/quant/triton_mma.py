@@ -163,7 +163,9 @@ def _int4_mma_kernel(
     x_ptrs = x32 + (x_rows * (K // 2) + q * 8 + c)[None, :] + (step0 + u) * 32
     rows = tile * 16 + g + 8 * (c // 2)
     sz_ptrs = sz_ptr + rows * G + tl.program_id(1) * RUN
-    words = tl.load(w_ptrs)  # weights first: nothing in this step writes them
+    # Weights first: nothing in this step writes them. Each is read once a step (all M rows ride in one program),
+    # so its lines are the first to leave L2, which keeps the step's KV cache there (`ember.ops.triton_attention`).
+    words = tl.load(w_ptrs, eviction_policy="evict_first")
     sz = _load_b32(sz_ptrs, EMULATE)
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -171,7 +173,7 @@ def _int4_mma_kernel(
     acc = tl.zeros((L,), dtype=tl.float32)
     for i in range(RUN):
         # The next group's words and factors are in flight while this one is multiplied.
-        nxt = tl.load(w_ptrs + U * 128, mask=(u * 0 + i + 1) < RUN, other=0)
+        nxt = tl.load(w_ptrs + U * 128, mask=(u * 0 + i + 1) < RUN, other=0, eviction_policy="evict_first")
         nsz = _load_b32(sz_ptrs + tl.where(i + 1 < RUN, 1, 0), EMULATE)  # the last group: itself
         xa = tl.load(x_ptrs)
         xb = tl.load(x_ptrs + 4)
