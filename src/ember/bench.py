@@ -4,7 +4,8 @@ Decoding one stream reads every weight once per step, so the figure that says ho
 hardware is the achieved bandwidth: bytes of weights read per step x decode steps / decode time, against the
 device's measured copy bandwidth (bytes read + written by a large device copy). The weights read per step are
 every parameter and quantized buffer except the embedding table, of which a step reads one row (unless the
-table is tied to the output projection, which reads all of it).
+table is tied to the output projection, which reads all of it). The prefill's figure is the same bytes read
+once for the whole prompt over the prefill time: it shows how far a compute-bound prefill is from that limit.
 
 `random_model` builds a real architecture's shape with random weights (`RANDOM_SHAPES`), so GPU benchmarks
 need no download. Everything here is plain functions; `ember bench` (cli/bench.py) prints what they return.
@@ -187,6 +188,9 @@ class BenchResult:
     device_bandwidth_gb_s: float | None
     decode_bandwidth_pct: float | None
     peak_memory_mb: float
+    # The prefill reads the weights once for the whole prompt: far below the limit where it is compute-bound.
+    prefill_bandwidth_gb_s: float = 0.0
+    prefill_bandwidth_pct: float | None = None
     runs: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -255,6 +259,7 @@ def run_bench(
     med = {k: _median([r[k] for r in runs]) for k in runs[0]}
     wbytes = weight_bytes_per_step(model)
     achieved = wbytes * med["decode_tokens_per_s"] / 1e9
+    prefill_achieved = wbytes * med["prefill_tokens_per_s"] / prompt_tokens / 1e9  # one pass per prompt
     limit = copy_bandwidth(device) / 1e9 if measure_device else None
     peak = peak_memory_mb(device)
     del gen
@@ -278,6 +283,8 @@ def run_bench(
         device_bandwidth_gb_s=round(limit, 1) if limit else None,
         decode_bandwidth_pct=round(100 * achieved / limit, 1) if limit else None,
         peak_memory_mb=round(peak, 1),
+        prefill_bandwidth_gb_s=round(prefill_achieved, 2),
+        prefill_bandwidth_pct=round(100 * prefill_achieved / limit, 1) if limit else None,
         runs=runs,
     )
 

@@ -21,6 +21,10 @@ def test_bench_json_default_model(capsys):
     # SmolLM2-135M in float32 with tied embeddings reads ~134.5M parameters per step.
     assert 500e6 < r["weight_bytes_per_step"] < 560e6
     assert r["decode_bandwidth_gb_s"] > 0 and r["peak_memory_mb"] > 0
+    # The prefill reads the weights once for its 16 tokens.
+    once = r["weight_bytes_per_step"] * r["prefill_tokens_per_s"] / 16 / 1e9
+    assert r["prefill_bandwidth_gb_s"] == pytest.approx(once, rel=1e-2)
+    assert r["prefill_bandwidth_pct"] == pytest.approx(100 * once / r["device_bandwidth_gb_s"], rel=2e-2)
 
 
 def test_bench_random_weights_quantized(capsys):
@@ -28,7 +32,7 @@ def test_bench_random_weights_quantized(capsys):
     assert main([*args, "--prompt-tokens", "8", "--new-tokens", "4", "--repeats", "1", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["model"] == "random:tiny" and r["quantize"] == "int4-g32"
-    assert r["decode_bandwidth_pct"] is not None
+    assert r["decode_bandwidth_pct"] is not None and r["prefill_bandwidth_pct"] is not None
 
 
 @pytest.mark.parametrize(

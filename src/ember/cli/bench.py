@@ -102,18 +102,18 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict()))
         return 0
     r = result
-    pct = (
-        f" ({r.decode_bandwidth_pct:.0f}% of {r.device_bandwidth_gb_s:.0f} GB/s copy)"
-        if r.decode_bandwidth_pct
-        else ""
-    )
+
+    def share(pct: float | None) -> str:
+        return f" ({pct:.0f}% of {r.device_bandwidth_gb_s:.0f} GB/s copy)" if pct is not None else ""
+
     lines = [
         f"model     {r.model} ({r.dtype}, quantize={r.quantize or 'none'}, compile={r.compile}) on {r.device}, "
         f"{r.threads} threads",
         f"weights   {r.weight_bytes_per_step / 1e6:.1f} MB read per decode step",
-        f"prefill   {r.prefill_tokens_per_s:9.1f} tok/s   time to first token {r.time_to_first_token_s * 1e3:.1f} ms "
+        f"prefill   {r.prefill_tokens_per_s:9.1f} tok/s   {r.prefill_bandwidth_gb_s:.1f} GB/s"
+        f"{share(r.prefill_bandwidth_pct)}, time to first token {r.time_to_first_token_s * 1e3:.1f} ms "
         f"({r.prompt_tokens} prompt tokens)",
-        f"decode    {r.decode_tokens_per_s:9.1f} tok/s   {r.decode_bandwidth_gb_s:.1f} GB/s{pct}",
+        f"decode    {r.decode_tokens_per_s:9.1f} tok/s   {r.decode_bandwidth_gb_s:.1f} GB/s{share(r.decode_bandwidth_pct)}",
         f"overall   {r.total_tokens_per_s:9.1f} tok/s   ({r.new_tokens} new tokens, prefill included)",
         f"memory    {r.peak_memory_mb:9.1f} MB peak",
     ]
