@@ -20,9 +20,9 @@ by the prefill), with such kernels in between. This step's slot is never read fr
 On sm_90 and later each program also asks L2 to fetch the next layer's cached keys and values of its chunk
 (`cp.async.bulk.prefetch.L2`, no wait), and the decode GEMVs load weights with `evict_first`: weights are
 read once a step, so they leave L2 first, and the next layer's attention finds its keys and values there
-after the layer of weights in between (Llama-3-8B: 110-440 MB of weights, 1.5 MB of cache at 384 slots). Only
-slots before this step's position are read that way, and L2 is the point of coherence, so a hint can
-never return stale bytes. Together with 64-slot chunks (`default_tiles`) the H200 A/B measured 2567 -> 2521
+after the layer of weights in between (Llama-3-8B: 110-440 MB of weights, 1.5 MB of cache at 384 slots).
+L2 is where global memory is coherent (the next layer's write of this step's slot lands there too), so a
+prefetch can never make a later read return stale bytes. Together with 64-slot chunks (`default_tiles`) the H200 A/B measured 2567 -> 2521
 us an int8 Llama-3-8B step and 2235 -> 2168 an int4 one (BENCHMARKS.md); each change alone was no faster.
 
 Tested against `ember.ops.decode_attention.decode_attention_reference`, also in Triton's interpreter on CPU.
@@ -282,9 +282,12 @@ def decode_attention(
         k_next is not None
         and v_next is not None
         and hopper(q.device)
-        and row_bytes % 16 == 0
+        and row_bytes % 16 == 0  # bulk prefetches take 16-byte multiples from 16-byte aligned addresses
         and all(
-            t.shape == k_cache.shape and t.dtype == k_cache.dtype and t.is_contiguous()
+            t.shape == k_cache.shape
+            and t.dtype == k_cache.dtype
+            and t.is_contiguous()
+            and t.data_ptr() % 16 == 0
             for t in (k_next, v_next)
         )
     )
