@@ -143,6 +143,12 @@ def test_context_error_names_the_token_counts(http):
     assert "301 tokens" in error["message"] and "512" in error["message"], error
 
 
+def test_empty_prompt_is_an_invalid_value_not_a_context_error(http):
+    r = http.post(COMPLETIONS, json=completion(prompt=[]), headers=AUTH)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "invalid_value" and "empty" in error["message"], error
+
+
 def test_wrong_method_and_auth_free_health(http):
     assert http.get(CHAT, headers=AUTH).status_code == 405
     assert http.get("/health").json() == {"status": "ok"}

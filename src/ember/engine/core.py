@@ -202,10 +202,11 @@ class EngineCore:
         return params.max_tokens if params.max_tokens is not None else self.context - prompt_len
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raises ContextLengthError, naming the counts, for a request that can never run."""
+        """Raises ContextLengthError, naming the counts, for a request that can never run (InvalidParameterError
+        for an empty prompt)."""
         n = len(prompt_ids)
         if n == 0:
-            raise ContextLengthError("the prompt is empty; at least one token is needed")
+            raise InvalidParameterError("the prompt is empty; at least one token is needed")
         if n >= self.context:
             raise ContextLengthError(f"prompt has {n} tokens but the context holds {self.context}")
         total = n + self.max_tokens_for(n, params)

@@ -28,7 +28,7 @@ import torch
 from ember.engine.inductor_compat import cheap_fallback_messages
 from ember.engine.kv_cache import StaticKVCache
 from ember.engine.sampler import SamplingParams, SamplingTensors, apply_penalties, make_generator, sample
-from ember.errors import ContextLengthError
+from ember.errors import ContextLengthError, InvalidParameterError
 from ember.models.decoder import Decoder
 from ember.ops.argmax import argmax
 
@@ -71,9 +71,10 @@ class Timings:
 
 
 def check_fits(prompt_tokens: int, max_tokens: int | None, context: int) -> int:
-    """Returns how many tokens may be generated; raises ContextLengthError naming the counts when none fit."""
+    """Returns how many tokens may be generated; raises ContextLengthError naming the counts when none fit
+    (InvalidParameterError for an empty prompt)."""
     if prompt_tokens == 0:
-        raise ContextLengthError("the prompt is empty; at least one token is needed")
+        raise InvalidParameterError("the prompt is empty; at least one token is needed")
     if prompt_tokens >= context:
         raise ContextLengthError(f"prompt has {prompt_tokens} tokens but the context holds {context}")
     if max_tokens is None:
