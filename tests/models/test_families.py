@@ -72,6 +72,23 @@ CASES: dict[str, tuple[str, dict, int]] = {
         ),
         5,
     ),
+    "qwen3-window": (
+        "Qwen3",
+        dict(use_sliding_window=True, sliding_window=6, max_window_layers=2),
+        4,
+    ),
+    "qwen3-moe-normalized-sparse-step": (
+        "Qwen3Moe",
+        dict(
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=24,
+            norm_topk_prob=True,
+            decoder_sparse_step=2,
+        ),
+        5,
+    ),
     "gemma2": (
         "Gemma2",
         dict(
