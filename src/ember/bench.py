@@ -103,8 +103,17 @@ def random_model(shape: str, *, device: torch.device | str, dtype: torch.dtype, 
         )
     cfg = config_from_hf(RANDOM_SHAPES[shape])
     with torch.device("meta"):
-        model = Decoder(cfg)
-    model = model.to_empty(device=device).to(dtype)
+        model = Decoder(cfg).to(dtype)  # sizes only: nothing is allocated yet, and never in float32 first
+    need = sum(t.numel() * t.element_size() for t in model.parameters())
+    free = free_memory(torch.device(device))
+    if free is not None and need > free:
+        raise EmberError(
+            f"random-weight {shape} needs {need / 1e9:.1f} GB of {str(dtype).removeprefix('torch.')} weights "
+            f"but {device} has {free / 1e9:.1f} GB available (try --dtype bfloat16, --device cuda, or a "
+            "smaller shape)"
+        )
+    model = model.to_empty(device=device)
+    model.tie_weights()  # to_empty gives every module a tensor of its own, a tied head included
     gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
@@ -113,6 +122,21 @@ def random_model(shape: str, *, device: torch.device | str, dtype: torch.dtype, 
             p.normal_(0.0, 0.02, generator=gen)
     model.init_buffers(device)
     return model.eval().requires_grad_(False)
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes `device` can still hold: free CUDA memory, or the host's MemAvailable (Linux); None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
 
 
 def weight_bytes_per_step(model: Decoder) -> int:

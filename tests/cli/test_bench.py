@@ -47,3 +47,24 @@ def test_bench_random_weights_refuses_a_scheme_before_building(scheme, message, 
     assert main(["bench", "--random-weights", "llama-3-8b", "--quantize", scheme, "--device", "cpu"]) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_bench_random_weights_refuses_a_model_larger_than_memory(monkeypatch, capsys):
+    import ember.bench
+
+    # The query of what the device can hold, not the model, is what this replaces: 1 KB free.
+    monkeypatch.setattr(ember.bench, "free_memory", lambda device: 1 << 10)
+    assert main(["bench", "--random-weights", "tiny", "--device", "cpu", "--dtype", "bfloat16"]) == 1
+    err = capsys.readouterr().err
+    assert "random-weight tiny needs" in err and "bfloat16 weights but cpu has 0.0 GB available" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_random_model_of_a_tied_shape_shares_the_embedding():
+    import torch
+
+    from ember.bench import random_model
+
+    model = random_model("smollm2-135m", device="cpu", dtype=torch.bfloat16)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008  # SmolLM2-135M's own count
