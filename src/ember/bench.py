@@ -95,6 +95,7 @@ RANDOM_SHAPES: dict[str, dict] = {
 def random_model(shape: str, *, device: torch.device | str, dtype: torch.dtype, seed: int = 0) -> Decoder:
     """A Decoder of a real model's shape (a key of RANDOM_SHAPES) with N(0, 0.02) weights and unit norms."""
     from ember.errors import EmberError
+    from ember.loading.weights import free_memory
     from ember.models import config_from_hf
 
     if shape not in RANDOM_SHAPES:
@@ -122,21 +123,6 @@ def random_model(shape: str, *, device: torch.device | str, dtype: torch.dtype, 
             p.normal_(0.0, 0.02, generator=gen)
     model.init_buffers(device)
     return model.eval().requires_grad_(False)
-
-
-def free_memory(device: torch.device) -> int | None:
-    """Bytes `device` can still hold: free CUDA memory, or the host's MemAvailable (Linux); None if unknown."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    if device.type == "cpu":
-        try:
-            with open("/proc/meminfo") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return int(line.split()[1]) * 1024
-        except OSError:
-            return None
-    return None
 
 
 def weight_bytes_per_step(model: Decoder) -> int:

@@ -50,10 +50,10 @@ def test_bench_random_weights_refuses_a_scheme_before_building(scheme, message, 
 
 
 def test_bench_random_weights_refuses_a_model_larger_than_memory(monkeypatch, capsys):
-    import ember.bench
+    import ember.loading.weights
 
     # The query of what the device can hold, not the model, is what this replaces: 1 KB free.
-    monkeypatch.setattr(ember.bench, "free_memory", lambda device: 1 << 10)
+    monkeypatch.setattr(ember.loading.weights, "free_memory", lambda device: 1 << 10)
     assert main(["bench", "--random-weights", "tiny", "--device", "cpu", "--dtype", "bfloat16"]) == 1
     err = capsys.readouterr().err
     assert "random-weight tiny needs" in err and "bfloat16 weights but cpu has 0.0 GB available" in err

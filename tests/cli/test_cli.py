@@ -120,6 +120,21 @@ def test_missing_weight_is_named(capsys, tmp_path, tiny_llama_dir):
     assert_one_line_error(code, err, "missing weights", "model.layers.1.mlp.down_proj.weight")
 
 
+def test_model_larger_than_memory_is_refused_before_reading(capsys, monkeypatch, tiny_llama_dir):
+    import ember.loading.weights
+
+    # What the device can hold is what this replaces (1 KB free), not the model or the loader.
+    monkeypatch.setattr(ember.loading.weights, "free_memory", lambda device: 1 << 10)
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", str(tiny_llama_dir), "--no-quant-cache")
+    assert_one_line_error(code, err, "LlamaForCausalLM needs", "float32 weights but cpu has 0.0 GB available")
+    # Quantizing, the float model never exists whole: no such refusal.
+    code, _, err = run_cli(
+        capsys, "generate", "hi", "--model", str(tiny_llama_dir), "--quantize", "int8", "--no-quant-cache",
+        "--max-new-tokens", "2",
+    )  # fmt: skip
+    assert code == 0, err
+
+
 def test_unknown_architecture(capsys, tmp_path, tiny_llama_dir):
     foreign = tmp_path / "foreign"
     shutil.copytree(tiny_llama_dir, foreign)

@@ -56,6 +56,21 @@ def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
 
 
+def free_memory(device: torch.device) -> int | None:
+    """Bytes `device` can still hold: free CUDA memory, or the host's MemAvailable (Linux); None if unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
 def _describe(names: list[str], limit: int = 5) -> str:
     shown = ", ".join(sorted(names)[:limit])
     return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
@@ -115,6 +130,16 @@ def build_model(
         raise CheckpointError(f"{origin}: missing weights for {cfg.architecture}: {_describe(missing)}")
     if unexpected:
         raise CheckpointError(f"{origin}: unexpected weights for {cfg.architecture}: {_describe(unexpected)}")
+
+    if not quantize:  # quantizing, each projection shrinks as it is read: the float model never exists whole
+        need = sum(p.numel() for p in model.parameters()) * dtype.itemsize  # a tied head counted once
+        free = free_memory(torch.device(device))
+        if free is not None and need > free:
+            raise CheckpointError(
+                f"{origin}: {cfg.architecture} needs {need / 1e9:.1f} GB of {str(dtype).removeprefix('torch.')} "
+                f"weights but {device} has {free / 1e9:.1f} GB available (try --quantize int8 or int4, or "
+                "--dtype bfloat16)"
+            )
 
     expected = model.state_dict()
 
