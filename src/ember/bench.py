@@ -95,7 +95,7 @@ RANDOM_SHAPES: dict[str, dict] = {
 def random_model(shape: str, *, device: torch.device | str, dtype: torch.dtype, seed: int = 0) -> Decoder:
     """A Decoder of a real model's shape (a key of RANDOM_SHAPES) with N(0, 0.02) weights and unit norms."""
     from ember.errors import EmberError
-    from ember.loading.weights import free_memory
+    from ember.loading.weights import check_memory
     from ember.models import config_from_hf
 
     if shape not in RANDOM_SHAPES:
@@ -105,14 +105,9 @@ def random_model(shape: str, *, device: torch.device | str, dtype: torch.dtype, 
     cfg = config_from_hf(RANDOM_SHAPES[shape])
     with torch.device("meta"):
         model = Decoder(cfg).to(dtype)  # sizes only: nothing is allocated yet, and never in float32 first
-    need = sum(t.numel() * t.element_size() for t in model.parameters())
-    free = free_memory(torch.device(device))
-    if free is not None and need > free:
-        raise EmberError(
-            f"random-weight {shape} needs {need / 1e9:.1f} GB of {str(dtype).removeprefix('torch.')} weights "
-            f"but {device} has {free / 1e9:.1f} GB available (try --dtype bfloat16, --device cuda, or a "
-            "smaller shape)"
-        )
+    check_memory(
+        model, dtype, device, f"random-weight {shape}", "--dtype bfloat16, --device cuda, or a smaller shape"
+    )
     model = model.to_empty(device=device)
     model.tie_weights()  # to_empty gives every module a tensor of its own, a tied head included
     gen = torch.Generator(device=device).manual_seed(seed)

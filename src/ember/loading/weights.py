@@ -71,6 +71,20 @@ def free_memory(device: torch.device) -> int | None:
     return None
 
 
+def check_memory(
+    model: nn.Module, dtype: torch.dtype, device: torch.device | str, what: str, hint: str
+) -> None:
+    """Raises CheckpointError, naming both sizes, when `model`'s parameters (a tied one once) in `dtype` need
+    more than `device` has available; `what` names the model, `hint` what to try instead."""
+    need = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    free = free_memory(torch.device(device))
+    if free is not None and need > free:
+        raise CheckpointError(
+            f"{what} needs {need / 1e9:.1f} GB of {str(dtype).removeprefix('torch.')} weights but {device} has "
+            f"{free / 1e9:.1f} GB available (try {hint})"
+        )
+
+
 def _describe(names: list[str], limit: int = 5) -> str:
     shown = ", ".join(sorted(names)[:limit])
     return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
@@ -132,14 +146,13 @@ def build_model(
         raise CheckpointError(f"{origin}: unexpected weights for {cfg.architecture}: {_describe(unexpected)}")
 
     if not quantize:  # quantizing, each projection shrinks as it is read: the float model never exists whole
-        need = sum(p.numel() for p in model.parameters()) * dtype.itemsize  # a tied head counted once
-        free = free_memory(torch.device(device))
-        if free is not None and need > free:
-            raise CheckpointError(
-                f"{origin}: {cfg.architecture} needs {need / 1e9:.1f} GB of {str(dtype).removeprefix('torch.')} "
-                f"weights but {device} has {free / 1e9:.1f} GB available (try --quantize int8 or int4, or "
-                "--dtype bfloat16)"
-            )
+        check_memory(
+            model,
+            dtype,
+            device,
+            f"{origin}: {cfg.architecture}",
+            "--quantize int8 or int4, or --dtype bfloat16",
+        )
 
     expected = model.state_dict()
 
