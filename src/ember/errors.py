@@ -33,3 +33,14 @@ class TokenizerError(EmberError):
 
 class InvalidParameterError(EmberError, ValueError):
     """A generation parameter is out of range or of the wrong kind."""
+
+
+def check_count(name: str, value: object, *, optional: bool = False) -> None:
+    """Raises InvalidParameterError naming `name` unless `value` is an int >= 1 (a bool is not), or None
+    where `optional`."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidParameterError(
+            f"{name}={value!r} is invalid; expected an integer >= 1" + (" or None" if optional else "")
+        )

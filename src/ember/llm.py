@@ -23,7 +23,7 @@ from ember.engine.core import EngineConfig, EngineCore
 from ember.engine.generate import Generator
 from ember.engine.output import TextAssembler
 from ember.engine.sampler import SamplingParams, make_generator
-from ember.errors import InvalidParameterError
+from ember.errors import InvalidParameterError, check_count
 from ember.loading.checkpoint import LoadedModel, load
 from ember.loading.hub import DEFAULT_MODEL
 
@@ -89,12 +89,7 @@ class LLM:
         progress: bool = False,
         engine_config: EngineConfig | None = None,
     ) -> None:
-        if max_seq_len is not None and (
-            isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1
-        ):
-            raise InvalidParameterError(
-                f"max_seq_len={max_seq_len!r} is invalid; expected an integer >= 1 or None"
-            )
+        check_count("max_seq_len", max_seq_len, optional=True)
         self.loaded: LoadedModel = load(
             model,
             device=device,

@@ -22,7 +22,7 @@ from ember.engine.paged_cache import PagedBatch, PagedKVCache
 from ember.engine.request import Request, RequestUpdate, Status
 from ember.engine.sampler import SamplingParams, SamplingTensors, apply_penalties, make_generator, sample
 from ember.engine.scheduler import Scheduler, SchedulerOutput
-from ember.errors import ContextLengthError, EmberError, InvalidParameterError
+from ember.errors import ContextLengthError, EmberError, InvalidParameterError, check_count
 from ember.loading.checkpoint import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -38,9 +38,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_batched_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidParameterError(f"{name}={value!r} is invalid; expected an integer >= 1")
+            check_count(name, getattr(self, name))
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise InvalidParameterError(
                 f"kv_cache_memory={self.kv_cache_memory!r} is invalid; expected a positive byte count or None"
