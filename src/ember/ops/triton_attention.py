@@ -23,7 +23,9 @@ read once a step, so they leave L2 first, and the next layer's attention finds i
 after the layer of weights in between (Llama-3-8B: 110-440 MB of weights, 1.5 MB of cache at 384 slots).
 L2 is where global memory is coherent (the next layer's write of this step's slot lands there too), so a
 prefetch can never make a later read return stale bytes. Together with 64-slot chunks (`default_tiles`) the H200 A/B measured 2567 -> 2521
-us an int8 Llama-3-8B step and 2235 -> 2168 an int4 one (BENCHMARKS.md); each change alone was no faster.
+us an int8 Llama-3-8B step and 2235 -> 2168 an int4 one at 384 slots (BENCHMARKS.md); each change alone was
+no faster. At 192 slots the prefetch and its tiles lost 5.5% and at 2048 0.7%, so caches of 257-512 slots
+prefetch, others do not.
 
 Tested against `ember.ops.decode_attention.decode_attention_reference`, also in Triton's interpreter on CPU.
 """
@@ -279,7 +281,8 @@ def decode_attention(
     G = H // KV
     row_bytes = D * k_cache.element_size()
     prefetch = (
-        k_next is not None
+        256 < S <= 512  # where it was measured faster: 3.7% at 384 slots; 5.5% slower at 192, 0.7% at 2048
+        and k_next is not None
         and v_next is not None
         and hopper(q.device)
         and row_bytes % 16 == 0  # bulk prefetches take 16-byte multiples from 16-byte aligned addresses
@@ -322,7 +325,7 @@ def default_tiles(S: int, D: int, prefetch: bool = False) -> tuple[int, int, int
     """(chunks of the cache per (row, kv head), slots per loop step, warps) for S slots of head dim D, the
     fastest measured on an H200 (`benchmarks/gpu_decode_step.py`, and whole-step A/Bs in BENCHMARKS.md).
 
-    With the next layer's keys and values prefetched into L2 (`prefetch`), up to 512 slots where D <= 128:
+    With the next layer's keys and values prefetched into L2 (`prefetch`: from 257 to 512 slots), where D <= 128:
     one 64-slot step per chunk, 4 warps (up to 8 chunks; 8 x 64 at 384 slots beat 2 x 256 by 1.8% of an int8
     Llama-3-8B step and 3% of an int4 one, and 4 x 2 x 64 lost 4%). Otherwise, up to 512 slots two chunks of
     8 warps, each chunk one step of up to 256 slots where D <= 128 (so that all of a chunk's keys and values
