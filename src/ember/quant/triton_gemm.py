@@ -30,6 +30,8 @@ Shape legend: M rows of activations, K input features, N output features.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -111,13 +113,23 @@ def int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, conf
     """x (M, K) bf16/fp16 contiguous, qweight int8 (N, K), scales (N,) -> (M, N) in x's dtype."""
     M, K = x.shape
     N = qweight.shape[0]
-    b = config or blocks(M, N, multiprocessors(x.device))
+    if config is None:
+        grid, kwargs = _int8_launch(M, N, K, multiprocessors(x.device))
+    else:
+        grid, kwargs = _int8_launch_of(M, N, K, config)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
-    grid = (triton.cdiv(M, b["BLOCK_M"]) * triton.cdiv(N, b["BLOCK_N"]),)
-    _int8_gemm_kernel[grid](
-        x, qweight, scales, y, M, N, K, EVEN_K=K % b["BLOCK_K"] == 0, EMULATE=_interpreted(), **b
-    )
+    _int8_gemm_kernel[grid](x, qweight, scales, y, M, N, K, **kwargs)
     return y
+
+
+def _int8_launch_of(M: int, N: int, K: int, b: dict) -> tuple[tuple[int], dict]:
+    grid = (triton.cdiv(M, b["BLOCK_M"]) * triton.cdiv(N, b["BLOCK_N"]),)
+    return grid, {**b, "EVEN_K": K % b["BLOCK_K"] == 0, "EMULATE": _interpreted()}
+
+
+@functools.cache  # a prefill launches hundreds: its Python is most of a small GEMM's time
+def _int8_launch(M: int, N: int, K: int, multiprocessors: int) -> tuple[tuple[int], dict]:
+    return _int8_launch_of(M, N, K, blocks(M, N, multiprocessors))
 
 
 @triton.jit

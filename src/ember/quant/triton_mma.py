@@ -205,6 +205,7 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.cache
 def multiprocessors(device: torch.device) -> int:
     """The device's multiprocessors (1 off CUDA: Triton's interpreter)."""
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
