@@ -5,7 +5,7 @@ For each Llama-3-8B projection shape and number of activation rows M it times, i
 - int8 / int4 "dequant": the weights dequantized to bf16 in memory, then cuBLAS (Ember's path before
   `ember.quant.triton_gemm`, and gpt-fast's int8 `F.linear(x, w.to(x.dtype)) * scales`);
 - tinygemm: torch's `_weight_int4pack_mm` (gpt-fast's and torchao's int4), same codes;
-- Ember: `triton_gemm.int8_gemm` / `int4_mma_gemm` at the tiles `blocks` / `int4_blocks` pick, and with `--sweep` over a grid.
+- Ember: `triton_gemm.int8_gemm` / `int4_mma_gemm` at the tiles `blocks` / `int4_tiles` pick, and with `--sweep` over a grid.
 Every Ember result is first checked against float math on the dequantized weights. Calls are timed inside a
 CUDA graph cycling through weight copies that spill L2 (`ember.quant.tuning.graph_seconds`), median of
 replays. Prints microseconds per call and the weights' GB/s, and per (shape, M) the ratios.
@@ -123,7 +123,7 @@ def main() -> None:
             if kind in ("int8", "int4"):
                 want = x.float() @ dense(kind, one).T
                 sms = torch.cuda.get_device_properties(0).multi_processor_count
-                auto = triton_gemm.blocks(M, N, sms) if kind == "int8" else triton_gemm.int4_blocks(M)
+                auto = triton_gemm.blocks(M, N, sms) if kind == "int8" else triton_gemm.int4_tiles(M, N, sms)
                 hows = {"dequant": None, "ember": auto}
                 if args.sweep:
                     hows |= {json.dumps(c): c for c in sweep(kind, M)}

@@ -177,10 +177,13 @@ def _int4_mma_gemm_kernel(
     tl.store(ptrs + 8, acc1.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def int4_blocks(M: int) -> dict:
-    """The int4 tile for M rows."""
+def int4_tiles(M: int, N: int, multiprocessors: int) -> dict:
+    """The int4 tile for M rows and N columns, as `blocks` picks int8's; 8 warps for 128 x 128 (with 4, sm90
+    ptxas spills: 255 registers and 476 bytes of stack). Not yet tuned on a GPU (the kernel is not dispatched)."""
     block_m = min(128, max(16, triton.next_power_of_2(M)))
-    return {"BLOCK_M": block_m, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+    block_n = 128 if triton.cdiv(M, block_m) * triton.cdiv(N, 128) >= multiprocessors else 64
+    warps = 8 if block_m * block_n >= 128 * 128 else 4
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": 3}
 
 
 def int4_mma_gemm(
@@ -190,7 +193,7 @@ def int4_mma_gemm(
     -> (M, N) in x's dtype."""
     M, K = x.shape
     N = words.shape[0]
-    b = config or int4_blocks(M)
+    b = config or int4_tiles(M, N, multiprocessors(x.device))
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(M, b["BLOCK_M"]) * triton.cdiv(N, b["BLOCK_N"]),)
     _int4_mma_gemm_kernel[grid](x, words, sz, y, M, N, K, GROUP=group_size, EMULATE=_interpreted(), **b)
