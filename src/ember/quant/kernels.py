@@ -39,7 +39,7 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 GEMV_MAX_ROWS = 8  # above this many rows (prefill), a GEMM (or dequantize + matmul) wins over a GEMV kernel
 # Up to this many rows the int8 GEMM that decodes weight tiles in registers (`triton_gemm`) beats decoding the
 # whole projection to bf16 and calling torch's matmul (H200, Llama-3-8B shapes: 3.8-11x at 16 rows, 2-5x at
-# 128, even at 2048: 0.91-1.09x; `benchmarks/gpu_gemm.py`); past it cuBLAS's speed outweighs the extra pass.
+# 128, about even at 2048: 0.91-1.09x; `benchmarks/gpu_gemm.py`); past it cuBLAS's speed outweighs the pass.
 GEMM_MAX_ROWS = 2048
 # The tiled int4 GEMV is bound by its instructions, not by memory, so each row costs about one row's time
 # (Llama-3-8B gate/up on an H200: 26 us a row against ~135 us to dequantize and multiply any number of rows).
@@ -259,10 +259,11 @@ def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Ten
         from ember.quant import triton_kernels
 
         return triton_kernels.int8_gemv(x.contiguous(), qweight, scales)
-    if HAS_TRITON and x.shape[0] <= GEMM_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16):
+    if HAS_TRITON and x.shape[0] <= GEMM_MAX_ROWS:
         from ember.quant import triton_gemm
 
-        return triton_gemm.int8_gemm(x.contiguous(), qweight, scales)
+        if x.dtype in triton_gemm.DTYPES:
+            return triton_gemm.int8_gemm(x.contiguous(), qweight, scales)
     return int8_linear_reference(x, qweight, scales)
 
 

@@ -43,8 +43,8 @@ DTYPES = (torch.bfloat16, torch.float16)  # tl.dot's operands: float32 would rou
 
 
 def blocks(M: int, N: int, multiprocessors: int) -> dict:
-    """The int8 tile for M rows and N columns (H200, Llama-3-8B shapes, `benchmarks/gpu_gemm.py --sweep`: the
-    best or within 5% of it at M = 16, 128 and 2048). BLOCK_M is the next power of two up to 128 (16 at
+    """The int8 tile for M rows and N columns (H200, Llama-3-8B's qkv and gate/up, `benchmarks/gpu_gemm.py
+    --sweep`: the best or within 5% of it at M = 16, 128 and 2048; o and down were not swept). BLOCK_M is the next power of two up to 128 (16 at
     least: the dot's); columns in tiles of 128 unless that leaves multiprocessors idle, then 64 with longer
     K steps."""
     block_m = min(128, max(16, triton.next_power_of_2(M)))
