@@ -15,6 +15,9 @@ with factors from `int4_subnormal_scales`), and return y (M, N) in x's dtype.
 - CUDA, M <= 8 (decode): Triton GEMV kernels that read each weight byte once and dequantize in registers.
   Decoding one stream is bound by reading weights, so int8 reads half the bytes of bf16 and int4 a quarter;
   torch's bf16 matmul with a separate dequantize would read the weights twice and write them once.
+- CUDA, int8, 8 < M <= `GEMM_MAX_ROWS` (prefill, batches): a Triton GEMM that decodes weight tiles in
+  registers for tensor-core dots (`ember.quant.triton_gemm`); int4 prefill dequantizes in one Triton pass for
+  torch's matmul.
 - CPU: `_weight_int8pack_mm` for int8 (bf16 activations: its float32 path is not vectorised).
 - Anywhere else, and as the reference in tests: dequantize, then F.linear (`*_reference`).
 
