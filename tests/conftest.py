@@ -108,3 +108,20 @@ def run_cached(model, ids: torch.Tensor, split: int, max_seq_len: int = 64) -> t
     for t in range(split, T):
         outs.append(model.compute_logits(model(ids[:, t : t + 1], pos[:, t : t + 1], cache)))
     return torch.cat(outs, dim=1)
+
+
+def compile_for_sm90(script: str) -> dict:
+    """Runs `script`, which compiles Triton kernels for sm90 and prints one JSON object last (or {"skip":
+    why} where this Triton cannot), in a process of its own: this one runs Triton's interpreter. Skips the
+    calling test where compiling cannot be done here."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if "skip" in result:
+        pytest.skip(f"cannot compile for sm90 here: {result['skip']}")
+    return result

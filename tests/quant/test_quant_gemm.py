@@ -11,6 +11,7 @@ import torch
 
 from ember.quant.kernels import int4_mma_dequantize, int4_mma_scales, int4_mma_tile
 from ember.quant.linear import pack_nibbles, quantize_int4_grouped, quantize_int8_per_channel
+from tests.conftest import compile_for_sm90
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -109,20 +110,10 @@ print(json.dumps({"int8": int8.asm["ptx"], "int4": int4.asm["ptx"]}))
 @needs_triton
 def test_the_gemms_compile_for_hopper_onto_wgmma():
     """sm90: both multiply with wgmma, and the int4 kernel hands its decoded weights to it from registers
-    (its first operand; the second comes from shared memory), so they never go through shared memory.
-    Compiled in a process of its own: this one runs Triton's interpreter."""
-    import json
-    import os
+    (its first operand; the second comes from shared memory), so they never go through shared memory."""
     import re
-    import subprocess
-    import sys
 
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(f"cannot compile for sm90 here: {result['skip']}")
+    result = compile_for_sm90(_COMPILE_FOR_SM90)
     assert "wgmma.mma_async" in result["int8"]
     # wgmma.mma_async...bf16.bf16 {accumulators}, {A registers}, B descriptor, ...
     with_registers = re.findall(r"wgmma\.mma_async\.\S+\s+\{[^}]*\},\s*\{", result["int4"])

@@ -23,6 +23,7 @@ from ember.quant.kernels import (
     int4_mma_untile,
 )
 from ember.quant.linear import pack_nibbles, quantize_int4_grouped
+from tests.conftest import compile_for_sm90
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -191,20 +192,10 @@ else:
 @needs_triton
 def test_the_mma_kernel_compiles_for_hopper_with_no_shared_memory_in_its_loop():
     """ptxas (shipped with Triton) assembles the inline PTX for sm90, and the loop holds the mmas and no
-    shared-memory shuffle (a tl.load of the factors, in a layout of its own, would put one there). Compiled in
-    a process of its own: this one runs Triton's interpreter."""
-    import json
-    import os
+    shared-memory shuffle (a tl.load of the factors, in a layout of its own, would put one there)."""
     import re
-    import subprocess
-    import sys
 
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    out = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    if "skip" in result:
-        pytest.skip(f"cannot compile for sm90 here: {result['skip']}")
+    result = compile_for_sm90(_COMPILE_FOR_SM90)
     ptx = result["ptx"]
     assert result["cubin"] > 0
     assert (
