@@ -21,8 +21,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.compiler import is_compiling
 
 from ember.quant import kernels
+
+# From this many rows a compiled CPU forward of an int4 projection dequantizes to float32 (one fused inductor
+# pass) and runs a float32 GEMM instead of `_weight_int4pack_mm_for_cpu`, whose time grows about linearly with
+# the rows (2-core Xeon, SmolLM2's projections, 2 threads: 1.1-1.3x faster at 96 rows, 1.3-1.5x at 128,
+# 2.0-2.2x at 512; even to slower at 64). Eager, the unfused dequantize costs more than it saves.
+CPU_DEQUANT_ROWS = 96
+
+
+def round_bf16(t: torch.Tensor) -> torch.Tensor:
+    """float32 t rounded to bf16 (to nearest, ties to even; finite values), kept in float32. In integer ops:
+    inductor drops a .to(bfloat16).float() round trip as a no-op."""
+    bits = t.contiguous().view(torch.int32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32)
 
 
 class QuantLinear(nn.Module):
@@ -289,6 +303,14 @@ class Int4WeightOnlyLinear(QuantLinear):
         }
         return kinds[self._kernel]
 
+    def _tinygemm_weights(self) -> torch.Tensor:
+        """float32 (N, K): the weights torch's int4 kernels multiply by, (q - 8) * scale + zero from the bf16
+        pairs of `tinygemm_layout`."""
+        N, K, g = self.out_features, self.in_features, self.group_size
+        codes = unpack_nibbles(self.qweight).float().reshape(N, K // g, g)
+        scale, zero = self._sz.float().transpose(0, 1).unbind(-1)  # (N, K/g) each
+        return ((codes - 8) * scale[..., None] + zero[..., None]).reshape(N, K)
+
     def split_forward(self, x: torch.Tensor) -> torch.Tensor | kernels.SplitSum:
         """forward(x); or, for one decode row on CUDA where the tiled GEMV splits K, its float32 partial sums
         (`kernels.SplitSum`) for a consumer that adds them as it reads them, in place of the pass that would."""
@@ -309,6 +331,12 @@ class Int4WeightOnlyLinear(QuantLinear):
             y = kernels.int4_mma_linear(x2, self._words, self._msz, self.group_size)
         elif self._kernel == "tiled":
             y = kernels.int4_tiled_linear(x2, self._words, self._tsz, self.group_size)
+        elif self._kernel == "tinygemm" and x.is_cpu and x2.shape[0] >= CPU_DEQUANT_ROWS and is_compiling():
+            # A compiled prefill on a CPU: inductor fuses the dequantize into one vectorized pass, and the
+            # float32 GEMM then beats torch's int4 kernel, whose time grows with each row (see CPU_DEQUANT_ROWS).
+            # Its operands and rounding are the kernel's (bf16 activations, weights from its bf16 scale/zero
+            # pairs, a bf16 result), so compiled and eager differ only in the order of float32 sums.
+            y = round_bf16(F.linear(round_bf16(x2.float()), self._tinygemm_weights())).to(x.dtype)
         elif self._kernel == "tinygemm":
             # bf16 activations: the only dtype of the CUDA kernel, and the CPU kernel's float32 path is not
             # vectorised (measured ~60x slower on AVX-512).
