@@ -45,25 +45,28 @@ def test_quantized_linear_error_is_bounded(scheme, bias):
     assert err > 0  # really quantized
 
 
-def test_a_compiled_cpu_prefill_of_int4_runs_a_float32_gemm_on_the_kernels_operands():
+@pytest.mark.parametrize(
+    "scheme,kernel", [("int4-g32", "_weight_int4pack_mm_for_cpu"), ("int8", "int8_linear")]
+)
+def test_a_compiled_cpu_prefill_runs_a_float32_gemm_on_the_kernels_operands(scheme, kernel):
     """From CPU_DEQUANT_ROWS rows a compiled forward dequantizes the weights and runs a float32 GEMM in place
-    of torch's int4 kernel (absent from inductor's code), on the kernel's own operands: it matches the eager
-    forward to float32 summation order. Fewer rows keep the kernel."""
+    of torch's weight-only kernel (absent from inductor's code), on the kernel's own operands and rounding: it
+    matches the eager forward but for the order of float32 sums. Fewer rows keep the kernel."""
     from torch._inductor.utils import run_and_get_code
 
     from ember.quant.linear import CPU_DEQUANT_ROWS
 
-    q = QuantSpec.parse("int4-g32").make(nn.Linear(256, 96))
+    q = QuantSpec.parse(scheme).make(nn.Linear(256, 96))
     q.prepare()
-    assert q._kernel == "tinygemm"
     compiled = torch.compile(q, dynamic=True)
     with torch.no_grad():
         for rows, gemm in ((CPU_DEQUANT_ROWS + 7, True), (CPU_DEQUANT_ROWS - 1, False)):
             x = torch.randn(rows, 256)
             y, code = run_and_get_code(compiled, x)
-            assert ("_weight_int4pack_mm_for_cpu" not in "".join(code)) is gemm
-            assert rel_err(y, q(x)) < 1e-5
-            assert rel_err(y, x @ q.dequantize().T + q.bias) < 1e-2
+            assert (kernel not in "".join(code)) is gemm
+            # a sum in another order lands on the other side of a bf16 rounding now and then (one ulp: 4e-3)
+            assert rel_err(y, q(x)) < 1e-4
+            assert rel_err(y, x @ q.dequantize().T + q.bias) < BOUNDS[scheme]
 
 
 def test_int4_grid_and_packing_round_trip():

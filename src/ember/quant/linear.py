@@ -25,10 +25,11 @@ from torch.compiler import is_compiling
 
 from ember.quant import kernels
 
-# From this many rows a compiled CPU forward of an int4 projection dequantizes to float32 (one fused inductor
-# pass) and runs a float32 GEMM instead of `_weight_int4pack_mm_for_cpu`, whose time grows about linearly with
-# the rows (2-core Xeon, SmolLM2's projections, 2 threads: 1.1-1.3x faster at 96 rows, 1.3-1.5x at 128,
-# 2.0-2.2x at 512; even to slower at 64). Eager, the unfused dequantize costs more than it saves.
+# From this many rows a compiled CPU forward of an int4 or int8 weight-only projection dequantizes to float32
+# (one fused inductor pass) and runs a float32 GEMM instead of torch's `_weight_int4pack_mm_for_cpu` /
+# `_weight_int8pack_mm`, whose time grows about linearly with the rows (2-core Xeon, SmolLM2's projections,
+# 2 threads, int4: 1.1-1.3x faster at 96 rows, 1.3-1.5x at 128, 2.0-2.2x at 512, even to slower at 64; int8:
+# 1.5-1.9x at 128, 2.1-2.4x at 512). Eager, the unfused dequantize costs more than it saves.
 CPU_DEQUANT_ROWS = 96
 
 
@@ -37,6 +38,19 @@ def round_bf16(t: torch.Tensor) -> torch.Tensor:
     inductor drops a .to(bfloat16).float() round trip as a no-op."""
     bits = t.contiguous().view(torch.int32)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32)
+
+
+def cpu_float_gemm(x: torch.Tensor) -> bool:
+    """Whether a forward on rows x (M, K) takes `float_gemm_as_kernel` (see CPU_DEQUANT_ROWS)."""
+    return x.is_cpu and x.shape[0] >= CPU_DEQUANT_ROWS and is_compiling()
+
+
+def float_gemm_as_kernel(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None):
+    """x (M, K) @ weight (N, K) float32 .T (times per-row `scales` after the sum) with torch's CPU weight-only
+    kernels' rounding: bf16 activations and a bf16 result, in float32. Compiled, inductor fuses the weight's
+    dequantize into one vectorized pass and the rest is a float32 GEMM."""
+    y = F.linear(round_bf16(x.float()), weight)
+    return round_bf16(y if scales is None else y * scales)
 
 
 class QuantLinear(nn.Module):
@@ -146,7 +160,12 @@ class Int8WeightOnlyLinear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        y = kernels.int8_linear(x.reshape(-1, shape[-1]), self.qweight, self._scales_act)
+        x2 = x.reshape(-1, shape[-1])
+        if cpu_float_gemm(x2):  # the CPU kernel's operands: bf16 scales after the sum
+            scales = round_bf16(self._scales_act.float())
+            y = float_gemm_as_kernel(x2, self.qweight.float(), scales).to(x.dtype)
+        else:
+            y = kernels.int8_linear(x2, self.qweight, self._scales_act)
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
 
 
@@ -331,12 +350,10 @@ class Int4WeightOnlyLinear(QuantLinear):
             y = kernels.int4_mma_linear(x2, self._words, self._msz, self.group_size)
         elif self._kernel == "tiled":
             y = kernels.int4_tiled_linear(x2, self._words, self._tsz, self.group_size)
-        elif self._kernel == "tinygemm" and x.is_cpu and x2.shape[0] >= CPU_DEQUANT_ROWS and is_compiling():
-            # A compiled prefill on a CPU: inductor fuses the dequantize into one vectorized pass, and the
-            # float32 GEMM then beats torch's int4 kernel, whose time grows with each row (see CPU_DEQUANT_ROWS).
-            # Its operands and rounding are the kernel's (bf16 activations, weights from its bf16 scale/zero
-            # pairs, a bf16 result), so compiled and eager differ only in the order of float32 sums.
-            y = round_bf16(F.linear(round_bf16(x2.float()), self._tinygemm_weights())).to(x.dtype)
+        elif self._kernel == "tinygemm" and cpu_float_gemm(x2):
+            # The kernel's weights, from its bf16 scale/zero pairs: compiled and eager differ only in the order
+            # of float32 sums.
+            y = float_gemm_as_kernel(x2, self._tinygemm_weights()).to(x.dtype)
         elif self._kernel == "tinygemm":
             # bf16 activations: the only dtype of the CUDA kernel, and the CPU kernel's float32 path is not
             # vectorised (measured ~60x slower on AVX-512).
