@@ -167,6 +167,8 @@ def start_server(model: str, args: argparse.Namespace) -> tuple[subprocess.Popen
         cmd += ["--device", args.device]
     if args.kv_cache_gib:
         cmd += ["--kv-cache-gib", str(args.kv_cache_gib)]
+    if args.quantize:
+        cmd += ["--quantize", args.quantize]
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=sys.stderr)
     url = f"http://127.0.0.1:{port}"
@@ -271,6 +273,7 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=2048, help="prompt + answer never exceed this")
     p.add_argument("--max-batched-tokens", type=int, default=512)
     p.add_argument("--kv-cache-gib", type=float, default=None)
+    p.add_argument("--quantize", default=None, help="the server's --quantize (int8, int4, ...)")
     p.add_argument("--hf-baseline", action="store_true", help="also time transformers' batched generate")
     p.add_argument("--json", type=Path, default=None, help="write all numbers here (after each step)")
     p.add_argument("--time-budget", type=float, default=math.inf, help="skip baseline runs after this many s")
@@ -297,7 +300,12 @@ def main() -> None:
         )
         for c in args.concurrency
     }
-    results: dict = {"model": args.random or args.model, "device": device, "levels": {}}
+    results: dict = {
+        "model": args.random or args.model,
+        "quantize": args.quantize,
+        "device": device,
+        "levels": {},
+    }
     proc, url = start_server(model, args)
     try:
         for c, reqs in workloads.items():
@@ -342,7 +350,8 @@ def _cuda() -> bool:
 
 
 def print_table(results: dict) -> None:
-    print(f"\nmodel {results['model']} on {results['device']}")
+    scheme = f", --quantize {results['quantize']}" if results.get("quantize") else ""
+    print(f"\nmodel {results['model']}{scheme} on {results['device']}")
     head = "| concurrency | requests | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | ITL p50 (ms) | ITL p99 (ms) | output tok/s | req/s |"
     if any("transformers" in v for v in results["levels"].values()):
         head += " HF generate tok/s |"
