@@ -44,9 +44,9 @@ DTYPES = (torch.bfloat16, torch.float16)  # tl.dot's operands: float32 would rou
 
 def blocks(M: int, N: int, multiprocessors: int) -> dict:
     """The int8 tile for M rows and N columns (H200, Llama-3-8B's qkv and gate/up, `benchmarks/gpu_gemm.py
-    --sweep`: the best or within 5% of it at M = 16, 128 and 2048; o and down were not swept). BLOCK_M is the next power of two up to 128 (16 at
-    least: the dot's); columns in tiles of 128 unless that leaves multiprocessors idle, then 64 with longer
-    K steps."""
+    --sweep`: the best or within 5% of it at M = 16, 128 and 2048; o and down were not swept). BLOCK_M is the
+    next power of two up to 128 (16 at least: the dot's); columns in tiles of 128 unless that leaves
+    multiprocessors idle, then 64 with longer K steps."""
     block_m = min(128, max(16, triton.next_power_of_2(M)))
     block_n = 128 if triton.cdiv(M, block_m) * triton.cdiv(N, 128) >= multiprocessors else 64
     block_k = 128 if block_n == 64 or block_m <= 32 else 64
@@ -60,7 +60,7 @@ def blocks(M: int, N: int, multiprocessors: int) -> dict:
 
 
 @triton.jit
-def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _tile(M, BLOCK_M: tl.constexpr):
     # Programs sharing a weight tile run together (row blocks fastest): the tile is read from memory once and
     # then from L2, while the activations, far smaller than the weights, stay in L2.
     pid = tl.program_id(0)
@@ -82,7 +82,7 @@ def _int8_gemm_kernel(
     x_ptr, w_ptr, s_ptr, y_ptr, M, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EMULATE: tl.constexpr,
 ):  # fmt: skip
-    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N)
+    pid_m, pid_n = _tile(M, BLOCK_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -139,7 +139,7 @@ def _int4_mma_gemm_kernel(
 ):  # fmt: skip
     # Computes y^T: the decoded weights are the dot's first operand, which Hopper's wgmma takes from
     # registers (the second comes from shared memory), so they are never stored to shared memory.
-    pid_m, pid_n = _tile(M, N, BLOCK_M, BLOCK_N)
+    pid_m, pid_n = _tile(M, BLOCK_M)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     R: tl.constexpr = BLOCK_N // 2
     # Operand row i is (tile, g) = (i // 8, i % 8): weight rows 16 tile + g (r = 0) and 16 tile + g + 8 (r = 1).
@@ -180,10 +180,9 @@ def _int4_mma_gemm_kernel(
 def int4_tiles(M: int, N: int, multiprocessors: int) -> dict:
     """The int4 tile for M rows and N columns, as `blocks` picks int8's; 8 warps for 128 x 128 (with 4, sm90
     ptxas spills: 255 registers and 476 bytes of stack). Not yet tuned on a GPU (the kernel is not dispatched)."""
-    block_m = min(128, max(16, triton.next_power_of_2(M)))
-    block_n = 128 if triton.cdiv(M, block_m) * triton.cdiv(N, 128) >= multiprocessors else 64
-    warps = 8 if block_m * block_n >= 128 * 128 else 4
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "num_stages": 3}
+    b = blocks(M, N, multiprocessors)
+    warps = 8 if b["BLOCK_M"] * b["BLOCK_N"] >= 128 * 128 else 4
+    return {"BLOCK_M": b["BLOCK_M"], "BLOCK_N": b["BLOCK_N"], "num_warps": warps, "num_stages": 3}
 
 
 def int4_mma_gemm(
