@@ -153,8 +153,11 @@ def test_the_mma_kernel_matches_float_math_in_the_interpreter(group, M):
 def test_the_prefill_dequantize_kernel_writes_the_layouts_weights_in_the_interpreter():
     from ember.quant import triton_mma
 
-    _, words, sz, dense = quantized(32, 256, 64, seed=2)
-    assert torch.equal(triton_mma.int4_mma_dequantize(words, sz, 64, torch.float32).double(), dense)
+    # K of 4 steps of 64 (one program for all), 2 and 3 (programs of fewer steps), groups of 64 and 128
+    for n, k, group in ((32, 256, 64), (16, 128, 128), (48, 192, 64)):
+        _, words, sz, dense = quantized(n, k, group, seed=2)
+        got = triton_mma.int4_mma_dequantize(words, sz, group, torch.float32)
+        assert torch.equal(got.double(), dense), (n, k, group)
 
 
 @needs_triton
