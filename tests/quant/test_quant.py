@@ -54,13 +54,17 @@ def test_a_compiled_cpu_prefill_runs_a_float32_gemm_on_the_kernels_operands(sche
     matches the eager forward but for the order of float32 sums. Fewer rows keep the kernel."""
     from torch._inductor.utils import run_and_get_code
 
-    from ember.quant.linear import CPU_DEQUANT_ROWS
+    from ember.quant.linear import CPU_DEQUANT_ROWS, HALVES_ROWS
 
     q = QuantSpec.parse(scheme).make(nn.Linear(256, 96))
     q.prepare()
     compiled = torch.compile(q, dynamic=True)
-    with torch.no_grad():
-        for rows, gemm in ((CPU_DEQUANT_ROWS + 7, True), (CPU_DEQUANT_ROWS - 1, False)):
+    with torch.no_grad():  # int4: K in halves, then whole (HALVES_ROWS)
+        for rows, gemm in (
+            (CPU_DEQUANT_ROWS + 7, True),
+            (HALVES_ROWS + 3, True),
+            (CPU_DEQUANT_ROWS - 1, False),
+        ):
             x = torch.randn(rows, 256)
             y, code = run_and_get_code(compiled, x)
             assert (kernel not in "".join(code)) is gemm

@@ -31,6 +31,11 @@ from ember.quant import kernels
 # 2 threads, int4: 1.1-1.3x faster at 96 rows, 1.3-1.5x at 128, 2.0-2.2x at 512, even to slower at 64; int8:
 # 1.5-1.9x at 128, 2.1-2.4x at 512). Eager, the unfused dequantize costs more than it saves.
 CPU_DEQUANT_ROWS = 96
+# Below this many rows that path multiplies int4 weights as two halves of K (even and odd k: the nibbles as they
+# lie, dequantized in one fused pass) instead of interleaving them back, which inductor does in a separate
+# copy (SmolLM2 int4-g32 compiled prefill, same machine: 691-720 -> 791-847 tok/s at 128 tokens, even at 512,
+# 3-7% slower at 1024 where two half-K GEMMs lose more than the copy costs).
+HALVES_ROWS = 512
 
 
 def round_bf16(t: torch.Tensor) -> torch.Tensor:
@@ -45,11 +50,21 @@ def cpu_float_gemm(x: torch.Tensor) -> bool:
     return x.is_cpu and x.shape[0] >= CPU_DEQUANT_ROWS and is_compiling()
 
 
-def float_gemm_as_kernel(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None):
+def float_gemm_as_kernel(
+    x: torch.Tensor,
+    weight: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
+    scales: torch.Tensor | None = None,
+):
     """x (M, K) @ weight (N, K) float32 .T (times per-row `scales` after the sum) with torch's CPU weight-only
     kernels' rounding: bf16 activations and a bf16 result, in float32. Compiled, inductor fuses the weight's
-    dequantize into one vectorized pass and the rest is a float32 GEMM."""
-    y = F.linear(round_bf16(x.float()), weight)
+    dequantize into one vectorized pass and the rest is a float32 GEMM. `weight` may also be the pair (N, K/2)
+    of its columns at even and at odd k, multiplied by x's even and odd columns: int4 nibbles dequantize into
+    those contiguous halves, where interleaving them back costs inductor an unfused copy."""
+    xb = round_bf16(x.float())
+    if isinstance(weight, tuple):
+        y = F.linear(xb[:, 0::2], weight[0]) + F.linear(xb[:, 1::2], weight[1])
+    else:
+        y = F.linear(xb, weight)
     return round_bf16(y if scales is None else y * scales)
 
 
@@ -322,13 +337,20 @@ class Int4WeightOnlyLinear(QuantLinear):
         }
         return kinds[self._kernel]
 
-    def _tinygemm_weights(self) -> torch.Tensor:
-        """float32 (N, K): the weights torch's int4 kernels multiply by, (q - 8) * scale + zero from the bf16
-        pairs of `tinygemm_layout`."""
+    def _tinygemm_weights(self, rows: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The float32 weights torch's int4 kernels multiply by, (q - 8) * scale + zero from the bf16 pairs of
+        `tinygemm_layout`: (N, K), or below HALVES_ROWS rows the pair (N, K/2) at even and at odd k (low and
+        high nibbles, see `float_gemm_as_kernel`)."""
         N, K, g = self.out_features, self.in_features, self.group_size
-        codes = unpack_nibbles(self.qweight).float().reshape(N, K // g, g)
         scale, zero = self._sz.float().transpose(0, 1).unbind(-1)  # (N, K/g) each
-        return ((codes - 8) * scale[..., None] + zero[..., None]).reshape(N, K)
+        if rows >= HALVES_ROWS:
+            codes = unpack_nibbles(self.qweight).float().reshape(N, K // g, g)
+            return ((codes - 8) * scale[..., None] + zero[..., None]).reshape(N, K)
+        nibbles = self.qweight.reshape(N, K // g, g // 2)  # a byte's two k are in one group
+        return tuple(
+            ((((nibbles >> shift) & 0xF).float() - 8) * scale[..., None] + zero[..., None]).reshape(N, K // 2)
+            for shift in (0, 4)
+        )
 
     def split_forward(self, x: torch.Tensor) -> torch.Tensor | kernels.SplitSum:
         """forward(x); or, for one decode row on CUDA where the tiled GEMV splits K, its float32 partial sums
@@ -353,7 +375,7 @@ class Int4WeightOnlyLinear(QuantLinear):
         elif self._kernel == "tinygemm" and cpu_float_gemm(x2):
             # The kernel's weights, from its bf16 scale/zero pairs: compiled and eager differ only in the order
             # of float32 sums.
-            y = float_gemm_as_kernel(x2, self._tinygemm_weights()).to(x.dtype)
+            y = float_gemm_as_kernel(x2, self._tinygemm_weights(x2.shape[0])).to(x.dtype)
         elif self._kernel == "tinygemm":
             # bf16 activations: the only dtype of the CUDA kernel, and the CPU kernel's float32 path is not
             # vectorised (measured ~60x slower on AVX-512).
