@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember.bench import random_model
-from ember.engine.generate import Generator
+from ember.bench import RANDOM_SHAPES, random_model
+from ember.engine.generate import Generator, prefill_length
 from ember.engine.sampler import SamplingParams
 from ember.quant import quantize_model
 
@@ -30,6 +30,38 @@ def test_compiled_decode_matches_eager(quantize, monkeypatch):
     expected = greedy(eager, prompt, 12)
     assert greedy(compiled, prompt, 12) == expected
     assert greedy(compiled, prompt[:5], 12) == greedy(eager, prompt[:5], 12)  # a new prompt length
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_a_padded_prefill_changes_no_token_or_logprob(window, monkeypatch):
+    """CUDA-graph prefills run at `prefill_length`s with the prompt padded at its end: nothing the prompt's
+    positions attend to changes (a sliding window too), and the cache slots the padding writes are each
+    written again by a decode step before any query reads them."""
+    shape = dict(RANDOM_SHAPES["tiny"])
+    if window:
+        shape.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=window)
+    monkeypatch.setitem(RANDOM_SHAPES, "tiny-test", shape)
+    model = random_model("tiny-test", device="cpu", dtype=torch.float32)
+    prompt = torch.randint(0, model.config.vocab_size, (21,), generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
+    plain = Generator(model, device=torch.device("cpu"), context=64)
+    padded = Generator(model, device=torch.device("cpu"), context=64)
+    padded.pad_prefill = True  # on CUDA, compile_prefill's default
+    want = list(plain.generate(prompt.tolist(), params, (), None))
+    got = list(padded.generate(prompt.tolist(), params, (), None))
+    assert [s.token_id for s in got] == [s.token_id for s in want]
+    for a, b in zip(got, want, strict=True):
+        assert abs(a.logprob - b.logprob) < 1e-5
+        assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+    # The prefill ran at 32 tokens: slots 26-31 (past the last decode step's) still hold the padding's keys.
+    assert padded.cache.k[0][:, :, 26:32].abs().sum() > 0 and plain.cache.k[0][:, :, 26:].abs().sum() == 0
+
+
+def test_prefill_lengths():
+    assert [prefill_length(t, 8192) for t in (1, 16, 17, 100, 128, 129, 200, 1000, 1025, 5000)] == [
+        16, 16, 32, 112, 128, 160, 224, 1024, 1280, 5120,
+    ]  # fmt: skip
+    assert prefill_length(100, 104) == 104 and prefill_length(100, 100) == 100  # never past the cache
 
 
 def test_penalties_and_logprobs_path():
