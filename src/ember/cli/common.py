@@ -67,7 +67,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = Fal
     )
     parser.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
     parser.add_argument(
-        "--compile-prefill", action="store_true", help="also compile the prefill (dynamic shapes)"
+        "--compile-prefill",
+        action="store_true",
+        help="also compile the prefill (dynamic shapes; on CUDA a CUDA graph per padded prompt length)",
     )
     parser.add_argument(
         "--quantize",
