@@ -303,6 +303,7 @@ def _int4_mma_dequant_kernel(
     k = step * 64 + tl.arange(0, 64)[None, None, :]
     for r in tl.static_range(2):
         rows = tile * 16 + g + 8 * r  # (8, 1, 1)
+        # one group a step: groups are whole steps (`kernels.int4_mma_fits`)
         s, mn = _factors(tl.load(sz_ptr + rows.to(tl.int64) * (K // GROUP) + step * 64 // GROUP))
         w = ((bits >> (4 * r)) & 0xF).to(tl.float32) * s + mn
         tl.store(out_ptr + rows.to(tl.int64) * K + k, w.to(out_ptr.dtype.element_ty))
