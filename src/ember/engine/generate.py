@@ -150,8 +150,9 @@ class Generator:
         self.cache: StaticKVCache | None = None
         self.compiled = compile
         self.compiled_prefill = compile_prefill
+        self._prefill_graphs = compile_prefill and device.type == "cuda"  # one CUDA graph per padded length
         # Prefill at `prefill_length`s (see the module note); settable, so tests can check padding on a CPU.
-        self.pad_prefill = compile_prefill and device.type == "cuda"
+        self.pad_prefill = self._prefill_graphs
         # CPU decode tries the AOTInductor step when the first cache is made (see _cache_for).
         self._try_aoti = compile and device.type == "cpu" and os.environ.get("EMBER_AOTI", "1") != "0"
         self._decode: StepFn = self._forward
@@ -188,7 +189,7 @@ class Generator:
             self.cache = StaticKVCache(
                 self.model.config, batch_size=1, max_seq_len=size, device=self.device, dtype=self.dtype
             )
-            if (self.compiled or self.compiled_prefill) and self.device.type == "cuda":
+            if (self.compiled and self.device.type == "cuda") or self._prefill_graphs:
                 # Static addresses let the CUDA graphs write the cache in place instead of copying it.
                 for t in self.cache.k + self.cache.v:
                     torch._dynamo.mark_static_address(t)
@@ -216,7 +217,7 @@ class Generator:
         if self.compiled_prefill and length > 1:  # size-1 dims are specialised
             torch._dynamo.mark_dynamic(tokens, 1)
             torch._dynamo.mark_dynamic(positions, 1)
-        if self.compiled_prefill and self.device.type == "cuda":
+        if self._prefill_graphs:
             torch.compiler.cudagraph_mark_step_begin()  # the last replay's outputs are consumed
         return self._prefill(tokens, positions, cache, torch.tensor([T - 1], device=self.device))
 
