@@ -242,3 +242,16 @@ def test_silu_of_split_partials_matches_summing_then_the_activation_in_interpret
     assert rel_err(want, torch.ops.ember.silu_mul_partials(parts, dtype)) == 0
     gate, up = parts.sum(0).chunk(2, dim=-1)
     assert rel_err(want.float(), torch.nn.functional.silu(gate) * up) < 1e-2
+
+
+def test_quantizing_in_row_chunks_gives_the_same_values(monkeypatch):
+    from ember.quant import linear
+
+    w = torch.randn(37, 64)
+    whole8, whole4 = linear.quantize_int8_per_channel(w), linear.quantize_int4_grouped(w, 32)
+    monkeypatch.setattr(linear, "QUANTIZE_CHUNK", 5 * 64)  # 5 rows at a time, the last chunk 2
+    for got, want in (
+        (linear.quantize_int8_per_channel(w), whole8),
+        (linear.quantize_int4_grouped(w, 32), whole4),
+    ):
+        assert all(torch.equal(g, x) for g, x in zip(got, want, strict=True))

@@ -112,8 +112,28 @@ class QuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
 
 
+QUANTIZE_CHUNK = (
+    1 << 24
+)  # weights quantized at a time: the float32 temporaries of an output projection (Llama-3
+# -8B's 525 M weights) would otherwise be a few GB on top of the model
+
+
+def _by_rows(quantize, w: torch.Tensor, *args) -> tuple[torch.Tensor, ...]:
+    """quantize(rows, *args) over chunks of w's rows, concatenated: the same values (every scheme here is
+    row-wise), with temporaries of at most QUANTIZE_CHUNK weights."""
+    rows = max(1, QUANTIZE_CHUNK // max(1, w.shape[1]))
+    if w.shape[0] <= rows:
+        return quantize(w, *args)
+    parts = [quantize(w[i : i + rows], *args) for i in range(0, w.shape[0], rows)]
+    return tuple(torch.cat(t) for t in zip(*parts, strict=True))
+
+
 def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w (N, K) float -> (q int8 (N, K), scales float32 (N,)), symmetric: w ~ q * scale."""
+    return _by_rows(_int8_per_channel, w)
+
+
+def _int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     w = w.float()
     scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
     q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
@@ -124,9 +144,13 @@ def quantize_int4_grouped(
     w: torch.Tensor, group_size: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w (N, K) float -> (codes uint8 (N, K) in [0, 15], scales (N, K/g), mins (N, K/g)): w ~ q * scale + min."""
+    if w.shape[1] % group_size:
+        raise ValueError(f"in_features={w.shape[1]} is not a multiple of the int4 group size {group_size}")
+    return _by_rows(_int4_grouped, w, group_size)
+
+
+def _int4_grouped(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     N, K = w.shape
-    if K % group_size:
-        raise ValueError(f"in_features={K} is not a multiple of the int4 group size {group_size}")
     wg = w.float().reshape(N, K // group_size, group_size)  # (N, K/g, g)
     lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
     scales = ((hi - lo) / 15.0).clamp(min=1e-8)
