@@ -68,3 +68,44 @@ def test_random_model_of_a_tied_shape_shares_the_embedding():
     model = random_model("smollm2-135m", device="cpu", dtype=torch.bfloat16)
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert sum(p.numel() for p in model.parameters()) == 134_515_008  # SmolLM2-135M's own count
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32"])
+def test_random_model_quantized_as_drawn_equals_quantized_after(scheme):
+    import torch
+
+    from ember.bench import random_model
+    from ember.quant import quantize_model
+    from ember.quant.linear import QuantLinear
+
+    drawn = random_model("tiny", device="cpu", dtype=torch.bfloat16, quantize=scheme)
+    layer = drawn.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, QuantLinear) and isinstance(layer.mlp.down_proj, QuantLinear)
+    assert not isinstance(drawn.lm_head, QuantLinear)  # the output projection is quantize_model's
+    after = quantize_model(random_model("tiny", device="cpu", dtype=torch.bfloat16), scheme).state_dict()
+    drawn = quantize_model(drawn, scheme).state_dict()
+    assert drawn.keys() == after.keys()
+    assert all(torch.equal(drawn[k], after[k]) for k in after)
+
+
+def test_bench_random_weights_quantized_counts_the_quantized_size(monkeypatch, capsys):
+    import torch
+
+    import ember.loading.weights
+    from ember.bench import random_model
+
+    # 90% of tiny's bfloat16 weights: too little for the floats, enough for int8 projections
+    floats = sum(p.numel() for p in random_model("tiny", device="cpu", dtype=torch.bfloat16).parameters()) * 2
+    monkeypatch.setattr(ember.loading.weights, "free_memory", lambda device: int(floats * 0.9))
+    args = ["bench", "--random-weights", "tiny", "--device", "cpu", "--dtype", "bfloat16", "--json"]
+    assert (
+        main([*args, "--prompt-tokens", "4", "--new-tokens", "2", "--repeats", "1", "--quantize", "int8"])
+        == 0
+    )
+    capsys.readouterr()
+    assert main(args) == 1
+    assert "random-weight tiny needs" in capsys.readouterr().err
+    monkeypatch.setattr(ember.loading.weights, "free_memory", lambda device: 1 << 10)
+    assert main([*args, "--quantize", "int8"]) == 1
+    err = capsys.readouterr().err
+    assert "random-weight tiny (int8) needs" in err and "Traceback" not in err

@@ -59,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
             if QuantSpec.parse(args.quantize).scheme == "gguf":
                 raise not_gguf("random weights have none")
         device = pick_device(args.device)
-        model = random_model(args.random_weights, device=device, dtype=pick_dtype(args.dtype, device))
-        if args.quantize:
+        dtype = pick_dtype(args.dtype, device)
+        model = random_model(args.random_weights, device=device, dtype=dtype, quantize=args.quantize)
+        if args.quantize:  # the output projection; the projections were quantized as they were drawn
             from ember.quant import quantize_model
 
             quantize_model(model, args.quantize)

@@ -72,11 +72,18 @@ def free_memory(device: torch.device) -> int | None:
 
 
 def check_memory(
-    model: nn.Module, dtype: torch.dtype, device: torch.device | str, what: str, hint: str
+    model: nn.Module,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    what: str,
+    hint: str,
+    need: int | None = None,
 ) -> None:
-    """Raises CheckpointError, naming both sizes, when `model`'s parameters (a tied one once) in `dtype` need
-    more than `device` has available; `what` names the model, `hint` what to try instead."""
-    need = sum(p.numel() for p in model.parameters()) * dtype.itemsize
+    """Raises CheckpointError, naming both sizes, when `model`'s parameters (a tied one once) in `dtype` (or
+    `need` bytes, where the caller knows better) need more than `device` has available; `what` names the
+    model, `hint` what to try instead."""
+    if need is None:
+        need = sum(p.numel() for p in model.parameters()) * dtype.itemsize
     free = free_memory(torch.device(device))
     if free is not None and need > free:
         raise CheckpointError(
