@@ -101,8 +101,6 @@ def random_model(
     its weights are drawn, so the float model never exists whole (Llama-3-8B, bfloat16, int4 on CPU: a peak of
     11.5 GB, against 16.6 quantized after drawing); the weights are the same as drawn without it, and
     `quantize_model(model, quantize)` then swaps the output projection and keeps the rest."""
-    from torch import nn
-
     from ember.errors import EmberError
     from ember.loading.weights import check_memory
     from ember.models import config_from_hf
@@ -151,15 +149,10 @@ def random_model(
             draw(p.data)
         elif leaf == "weight":  # a projection's bias, if any, is next in this order: drawn with it
             bias = model.get_submodule(module).bias
-            linear = nn.Linear(p.shape[1], p.shape[0], bias=False, device="meta")
-            linear.weight = nn.Parameter(draw(p), requires_grad=False)
-            if bias is not None:
-                linear.bias = nn.Parameter(draw(bias), requires_grad=False)
-            quantized = spec.make(linear)
-            quantized.prepare()
+            weight = draw(p)  # drawn before its bias, as named_parameters lists them
+            quantized = spec.quantize(weight, None if bias is None else draw(bias))
             parent, _, child = module.rpartition(".")
             setattr(model.get_submodule(parent), child, quantized)
-            del linear
     model.init_buffers(device)
     return model.eval().requires_grad_(False)
 

@@ -208,14 +208,7 @@ def build_model(
                 swapped[module] = Int4WeightOnlyLinear.from_codes(*int4, bias, dtype)
                 swapped[module].prepare()
                 continue
-            weight = read(name)
-            linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-            linear.weight = nn.Parameter(weight, requires_grad=False)
-            if bias is not None:
-                linear.bias = nn.Parameter(bias, requires_grad=False)
-            swapped[module] = spec.make(linear)
-            swapped[module].prepare()
-            del weight, linear
+            swapped[module] = spec.quantize(read(name), bias)
     unassigned, _ = model.load_state_dict(state, strict=False, assign=True)
     assert {n.rpartition(".")[0] for n in unassigned if n not in tied} <= set(swapped), unassigned
     for module, quantized in swapped.items():

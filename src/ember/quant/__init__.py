@@ -87,6 +87,17 @@ class QuantSpec:
             return Int8WeightOnlyLinear.from_float(linear)
         return MODULES[self.scheme].from_float(linear)
 
+    def quantize(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear:
+        """A projection of `weight` (N, K) and `bias` quantized to this scheme and prepared for its device (the
+        float tensors are not kept)."""
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        linear.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            linear.bias = nn.Parameter(bias, requires_grad=False)
+        module = self.make(linear)
+        module.prepare()
+        return module
+
     def takes(self, module: QuantLinear) -> bool:
         """Whether `module`, swapped in by a loader, is of this scheme."""
         if self.scheme == "gguf":
@@ -173,12 +184,7 @@ def quantize_model(model: nn.Module, scheme: str, *, output: bool = True) -> nn.
         module.prepare()
         _set(model, name, module)
     if output:
-        weight = model.output_weight()
-        float_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
-        float_head.weight = nn.Parameter(weight, requires_grad=False)
-        head = QuantSpec.parse(output_scheme_for(scheme)).make(float_head)
-        head.prepare()
-        model.lm_head = head
+        model.lm_head = QuantSpec.parse(output_scheme_for(scheme)).quantize(model.output_weight())
         names.append("lm_head")
     model.quantization = {"scheme": spec.name, "modules": names}
     if spec.scheme == "gguf":  # mixed: each projection's own
