@@ -73,10 +73,11 @@ def run_ember(configs: list[str], compile_prefill: bool = False, torchao: bool =
     dev = torch.device("cuda")
     emit(engine="copy", config="d2d", bandwidth_gb_s=round(copy_bandwidth(), 1))
     for config in configs:
-        model = random_model("llama-3-8b", device=dev, dtype=torch.bfloat16)
+        ours = None if torchao or config == "bf16" else config  # Ember's projections quantized as drawn
+        model = random_model("llama-3-8b", device=dev, dtype=torch.bfloat16, quantize=ours)
         if torchao:
             torchao_quantize(model, config)
-        elif config != "bf16":
+        elif ours:
             quantize_model(model, config)
         t0 = time.perf_counter()
         r = run_bench(
@@ -120,8 +121,9 @@ def profile_ember(config: str, steps: int = 32) -> None:
     from ember.quant import quantize_model
 
     dev = torch.device("cuda")
-    model = random_model("llama-3-8b", device=dev, dtype=torch.bfloat16)
-    if config != "bf16":
+    quantize = None if config == "bf16" else config
+    model = random_model("llama-3-8b", device=dev, dtype=torch.bfloat16, quantize=quantize)
+    if quantize:
         quantize_model(model, config)
     gen = Generator(model, device=dev, context=PROMPT + NEW, compile=True)
     prompt = list(range(1, PROMPT + 1))
