@@ -68,7 +68,6 @@ def torchao_quantize(model: torch.nn.Module, config: str) -> None:
 
 def run_ember(configs: list[str], compile_prefill: bool = False, torchao: bool = False) -> None:
     from ember.bench import random_model, run_bench
-    from ember.quant import quantize_model
 
     dev = torch.device("cuda")
     emit(engine="copy", config="d2d", bandwidth_gb_s=round(copy_bandwidth(), 1))
@@ -77,8 +76,6 @@ def run_ember(configs: list[str], compile_prefill: bool = False, torchao: bool =
         model = random_model("llama-3-8b", device=dev, dtype=torch.bfloat16, quantize=ours)
         if torchao:
             torchao_quantize(model, config)
-        elif ours:
-            quantize_model(model, config)
         t0 = time.perf_counter()
         r = run_bench(
             model,
@@ -118,13 +115,10 @@ def profile_ember(config: str, steps: int = 32) -> None:
     from ember.bench import random_model
     from ember.engine.generate import Generator
     from ember.engine.sampler import SamplingParams
-    from ember.quant import quantize_model
 
     dev = torch.device("cuda")
     quantize = None if config == "bf16" else config
     model = random_model("llama-3-8b", device=dev, dtype=torch.bfloat16, quantize=quantize)
-    if quantize:
-        quantize_model(model, config)
     gen = Generator(model, device=dev, context=PROMPT + NEW, compile=True)
     prompt = list(range(1, PROMPT + 1))
     params = SamplingParams(max_tokens=steps, temperature=0.0, ignore_eos=True)

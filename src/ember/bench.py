@@ -97,10 +97,10 @@ def random_model(
 ) -> Decoder:
     """A Decoder of a real model's shape (a key of RANDOM_SHAPES) with N(0, 0.02) weights and unit norms.
 
-    With `quantize` (a scheme, as `ember.quant.quantize_model` takes it) each projection is quantized as soon as
-    its weights are drawn, so the float model never exists whole (Llama-3-8B, bfloat16, int4 on CPU: a peak of
-    11.5 GB, against 16.6 quantized after drawing); the weights are the same as drawn without it, and
-    `quantize_model(model, quantize)` then swaps the output projection and keeps the rest."""
+    With `quantize` (a scheme, as `ember.quant.quantize_model` takes it) the model is quantized, each projection
+    as soon as its weights are drawn, so the float model never exists whole (Llama-3-8B, bfloat16, int4 on CPU:
+    a peak of 11.5 GB, against 16.6 quantized after drawing); the same model as `quantize_model` of the float
+    one."""
     from ember.errors import EmberError
     from ember.loading.weights import check_memory
     from ember.models import config_from_hf
@@ -154,7 +154,12 @@ def random_model(
             parent, _, child = module.rpartition(".")
             setattr(model.get_submodule(parent), child, quantized)
     model.init_buffers(device)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    if quantize:  # the output projection; the projections drawn quantized are kept
+        from ember.quant import quantize_model
+
+        quantize_model(model, quantize)
+    return model
 
 
 def weight_bytes_per_step(model: Decoder) -> int:

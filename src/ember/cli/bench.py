@@ -61,10 +61,6 @@ def run(args: argparse.Namespace) -> int:
         device = pick_device(args.device)
         dtype = pick_dtype(args.dtype, device)
         model = random_model(args.random_weights, device=device, dtype=dtype, quantize=args.quantize)
-        if args.quantize:  # the output projection; the projections were quantized as they were drawn
-            from ember.quant import quantize_model
-
-            quantize_model(model, args.quantize)
         name = f"random:{args.random_weights}"
     else:
         from ember.loading.checkpoint import load

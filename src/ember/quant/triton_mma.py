@@ -224,12 +224,13 @@ MAX_PARTIALS = 4
 KWARPS_MAX = 16  # warps of one program along K (a power of two dividing the groups)
 
 
-def candidates(K: int, group_size: int, split: int | None) -> list[dict]:
+@functools.cache
+def candidates(K: int, group_size: int, split: int | None) -> tuple[dict, ...]:
     """The tuner's launch configurations: programs of 4 or 8 row tiles, and programs of one tile whose 2 to
-    KWARPS_MAX warps take equal runs of the program's groups."""
+    KWARPS_MAX warps take equal runs of the program's groups (built once per shape: every call asks)."""
     G = K // group_size // (split or 1)
     kwarps = [w for w in (2, 4, 8, KWARPS_MAX) if G % w == 0]
-    return list(WARPS) + [{"WARPS": w, "KWARPS": True, "num_warps": w, "num_stages": 1} for w in kwarps]
+    return WARPS + tuple({"WARPS": w, "KWARPS": True, "num_warps": w, "num_stages": 1} for w in kwarps)
 
 
 def _interpreted() -> bool:
@@ -310,8 +311,8 @@ def int4_mma_gemv(
         )
 
     if blocks is None:
-        configs = candidates(K, group_size, split)
-        blocks = tuning.pick(("int4_mma", M, N, K, group_size, split), configs, run, (words, sz))
+        key = ("int4_mma", M, N, K, group_size, split)
+        blocks = tuning.pick(key, candidates(K, group_size, split), run, (words, sz))
     run(blocks, (words, sz))
     return out
 
