@@ -116,7 +116,7 @@ def kernel_calls(kind: str, x: torch.Tensor, ws, config: dict | None):
 
         N, K = ws[0][0].shape[0], x.shape[1]
         if config and config.get("auto"):
-            split = triton_mma.program_splits(N, K, GROUP, triton_mma.multiprocessors(x.device))
+            split = triton_mma.splits(N, K, GROUP, triton_mma.multiprocessors(x.device))
             return lambda i: triton_mma.int4_mma_gemv(
                 x, *ws[i % len(ws)], GROUP, split if split > 1 else None
             )
@@ -129,29 +129,14 @@ def kernel_calls(kind: str, x: torch.Tensor, ws, config: dict | None):
 
 
 def configs_for(kind: str, K: int) -> list[dict]:
-    if kind == "int4mma":  # warps per program x runs of K's groups (float32 partials, unsummed); KWARPS: the
-        groups = K // GROUP  # program's warps on one tile, each a run of its groups
-        return (
-            [
-                {"WARPS": w, "num_warps": w, "num_stages": 1, **({"SPLIT": d} if d > 1 else {})}
-                for w in (4, 8)
-                for d in (1, 2, 4, 7, 8, 14, 16, 28, 32)
-                if groups % d == 0
-            ]
-            + [
-                {
-                    "WARPS": w,
-                    "KWARPS": True,
-                    "num_warps": w,
-                    "num_stages": 1,
-                    **({"SPLIT": d} if d > 1 else {}),
-                }
-                for w in (2, 4, 8, 16)
-                for d in (1, 2, 4)
-                if groups % (w * d) == 0
-            ]
-            + [{"auto": True}]
-        )
+    if kind == "int4mma":  # warps per program x runs of K's groups (float32 partials, unsummed)
+        groups = K // GROUP
+        return [
+            {"WARPS": w, "num_warps": w, "num_stages": 1, **({"SPLIT": d} if d > 1 else {})}
+            for w in (4, 8)
+            for d in (1, 2, 4, 7, 8, 14, 16, 28, 32)
+            if groups % d == 0
+        ] + [{"auto": True}]
     if kind == "int4t":  # one group per nibble position: the tile is (BLOCK_N, GROUP) words
         return (
             [

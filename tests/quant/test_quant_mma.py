@@ -143,24 +143,9 @@ def test_the_mma_kernel_matches_float_math_in_the_interpreter(group, M):
         # float32 sums of (128 + q) x, less 128 sum(x): the cancellation costs a few bits of float32
         assert rel_err(parts[0], x[:, : K // 2].double() @ dense[:, : K // 2].T) < 2e-5
         assert rel_err(parts.sum(0), want) < 2e-5
-    # the linear op: K in runs (the interpreter counts one multiprocessor), as programs whose partials the
-    # sum kernel adds (groups of 128 and 256: 4 and 2 runs) or as one program's warps (64: 8 runs)
-    runs = {64: 1, 128: 4, 256: 2}[group]
-    assert triton_mma.program_splits(N, K, group, triton_mma.multiprocessors(x.device)) == runs
+    # split into runs (the interpreter counts one multiprocessor), partials added by the sum kernel
+    assert triton_mma.splits(N, K, group, triton_mma.multiprocessors(x.device)) > 1
     assert rel_err(triton_mma.int4_mma_linear(x, words, sz, group), want) < 1e-2
-    # runs of K as warps of one program (KWARPS): warp w's sum is the row-tiled program's partial of run w,
-    # and a program adds its two warps' sums in float32 as a consumer would add those partials
-    if K // group >= 4:
-        four = triton_mma.int4_mma_gemv(x, words, sz, group, split=4, blocks={"WARPS": 1, "num_warps": 1})
-        kw = {"WARPS": 2, "KWARPS": True, "num_warps": 2}
-        two = triton_mma.int4_mma_gemv(x, words, sz, group, split=2, blocks=kw)
-        assert torch.equal(two, torch.stack([four[0] + four[1], four[2] + four[3]]))
-    for warps in (2, 4)[: K // group // 2]:
-        kw = {"WARPS": warps, "KWARPS": True, "num_warps": warps}
-        got = triton_mma.int4_mma_gemv(x, words, sz, group, blocks=kw)
-        assert got.shape == (M, N) and rel_err(got, want) < 1e-2
-    with pytest.raises(ValueError, match="cannot share"):  # a warp with no group would add nothing
-        triton_mma.int4_mma_gemv(x, words, sz, group, blocks={"WARPS": 16, "KWARPS": True, "num_warps": 16})
     assert torch.equal(triton_mma.int4_mma_gemv(x * 0, words, sz, group), x.new_zeros(M, N))
 
 
@@ -177,7 +162,7 @@ def test_the_prefill_dequantize_kernel_writes_the_layouts_weights_in_the_interpr
 
 @needs_triton
 def test_splits_give_each_multiprocessor_enough_warps():
-    from ember.quant.triton_mma import candidates, program_splits, splits
+    from ember.quant.triton_mma import splits
 
     # Llama-3-8B on an H200 (132 multiprocessors): the splits measured best or within 2% (BENCHMARKS.md).
     assert [splits(n, k, 128, 132) for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]] == [
@@ -185,17 +170,6 @@ def test_splits_give_each_multiprocessor_enough_warps():
     ]  # fmt: skip
     assert splits(128256, 4096, 128, 132) == 1  # plenty of rows
     assert splits(64, 128, 64, 132) == 2  # never more runs than groups
-    # beyond MAX_PARTIALS runs the runs are one program's warps: only gate/up leaves partials (to SwiGLU's kernel)
-    assert [program_splits(n, k, 128, 132) for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]] == [
-        1, 1, 4, 1,
-    ]  # fmt: skip
-    assert {c["WARPS"] for c in candidates(14336, 128, None) if c.get("KWARPS")} == {2, 4, 8, 16}
-    assert {c["WARPS"] for c in candidates(4096, 128, 4) if c.get("KWARPS")} == {
-        2,
-        4,
-        8,
-    }  # 8 groups a program
-    assert not any(c.get("KWARPS") for c in candidates(192, 64, None))  # 3 groups: no power of two divides
 
 
 _COMPILE_FOR_SM90 = """
@@ -205,8 +179,8 @@ from triton.compiler import ASTSource
 from ember.quant import triton_mma
 
 sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "sz_ptr": "*i32", "y_ptr": "*bf16", "N": "i32", "M": "i32"}
-sig |= {k: "constexpr" for k in ("K", "GROUP", "WARPS", "SPLIT", "PDL", "EMULATE", "KWARPS")}
-consts = {"K": 4096, "GROUP": 128, "WARPS": 4, "SPLIT": 1, "PDL": True, "EMULATE": False, "KWARPS": False}
+sig |= {k: "constexpr" for k in ("K", "GROUP", "WARPS", "SPLIT", "PDL", "EMULATE")}
+consts = {"K": 4096, "GROUP": 128, "WARPS": 4, "SPLIT": 1, "PDL": True, "EMULATE": False}
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(4)}
 src = ASTSource(triton_mma._int4_mma_kernel, sig, consts, attrs=attrs)
 try:

@@ -14,10 +14,9 @@ cores multiply, and a weight costs under one instruction:
 - A second mma per step multiplies the same B by ones, giving each group's sum of x. A group's result is
   then s * sum((128 + q) x) + (min - 128 s) * sum(x), two FMAs per group and row in float32 (s, min: the
   group's factors, bf16, `kernels.int4_mma_scales`), the products being exact and the sums float32.
-- Where N gives few warps (one per 16 rows), K is split into runs of groups (`splits`). Up to MAX_PARTIALS
-  runs are programs whose float32 partial sums are left for the consumer (SwiGLU's activation:
-  `kernels.SplitSum`) or added by a second kernel; more runs are the warps of one program, which add their
-  sums before the store (KWARPS).
+- Where N gives few warps (one per 16 rows), K is split into runs of groups and the float32 partial sums are
+  left for the consumer (the next add + RMSNorm, or SwiGLU's activation: `kernels.SplitSum`) or added by a
+  second kernel.
 
 Triton runs the PTX as an elementwise op over tensors whose every lane holds 4 consecutive elements (4
 registers): the kernel's tensors are laid out so that those are the fragments, and the scale factors are
@@ -139,40 +138,32 @@ def _int4_mma_kernel(
     SPLIT: tl.constexpr = 1,
     PDL: tl.constexpr = False,
     EMULATE: tl.constexpr = False,
-    KWARPS: tl.constexpr = False,
 ):
     # Grid (cdiv(N / 16, WARPS), SPLIT): warp w of program p owns rows 16 (p * WARPS + w) onwards and the
     # program_id(1)-th of SPLIT runs of groups. Elements e of a step's tensors (L = WARPS * 128 of them):
     # warp e // 128, lane (e // 4) % 32 = 4g + q, fragment register c = e % 4 (A word / B pair of mma c;
     # accumulator c: row g + 8 (c // 2), activation row 2q + c % 2). Tensors (U, L) hold a group's U steps.
-    # KWARPS: grid (N / 16, SPLIT) instead, the program's warps all on rows 16 p onwards, warp w taking the w-th
-    # of WARPS runs of the program's groups; their sums are added in the program.
     # SPLIT > 1: float32 partials in y (SPLIT, M, N); else y (M, N) in y's dtype.
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     U: tl.constexpr = GROUP // 64
     L: tl.constexpr = WARPS * 128
     G: tl.constexpr = K // GROUP
-    RUN: tl.constexpr = G // SPLIT // (WARPS if KWARPS else 1)  # groups per warp
+    RUN: tl.constexpr = G // SPLIT  # groups per program
     T = N // 16
     e = tl.arange(0, L)
     lane = (e // 4) % 32
-    if KWARPS:
-        own = tl.program_id(0) + e * 0
-        run = tl.program_id(1) * WARPS + e // 128
-    else:
-        own = tl.program_id(0) * WARPS + e // 128
-        run = tl.program_id(1) + e * 0
+    own = tl.program_id(0) * WARPS + e // 128
     tile = tl.where(own < T, own, T - 1)  # warps past the last tile redo it and store nothing
     g, q, c = lane // 4, lane % 4, e % 4
     u = tl.arange(0, U)[:, None]
-    step0 = run * RUN * U
-    w_ptrs = w_ptr + (tile.to(tl.int64) * (K // 64) * 128 + lane * 4 + c + step0 * 128)[None, :] + u * 128
+    step0 = tl.program_id(1) * RUN * U
+    w_ptrs = w_ptr + (tile.to(tl.int64) * (K // 64) * 128 + lane * 4 + c)[None, :] + (step0 + u) * 128
     x_rows = tl.where(g < M, g, M - 1)  # B column g: activation row g (columns past M repeat the last)
     x32 = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)  # bf16 pairs
-    x_ptrs = x32 + (x_rows * (K // 2) + q * 8 + c + step0 * 32)[None, :] + u * 32
+    x_ptrs = x32 + (x_rows * (K // 2) + q * 8 + c)[None, :] + (step0 + u) * 32
     rows = tile * 16 + g + 8 * (c // 2)
-    sz_ptrs = sz_ptr + rows * G + run * RUN
+    sz_ptrs = sz_ptr + rows * G + tl.program_id(1) * RUN
     # Weights first: nothing in this step writes them. Each is read once a step (all M rows ride in one program),
     # so its lines are the first to leave L2, which keeps the step's KV cache there (`ember.ops.triton_attention`).
     words = tl.load(w_ptrs, eviction_policy="evict_first")
@@ -199,12 +190,6 @@ def _int4_mma_kernel(
         w_ptrs += U * 128
         x_ptrs += U * 32
         sz_ptrs += 1
-    if KWARPS:  # the warps' runs added: (WARPS, 128) -> 128, lane and register as in one warp
-        acc = tl.sum(tl.reshape(acc, (WARPS, 128)), axis=0)
-        f = tl.arange(0, 128)
-        g, q, c = f // 16, (f // 4) % 4, f % 4
-        own = tl.program_id(0) + f * 0
-        rows = tl.program_id(0) * 16 + g + 8 * (c // 2)
     m = 2 * q + c % 2
     ok = (m < M) & (own < T)  # one lane in 4 and one register in 2 store a row's value when M = 1
     if SPLIT > 1:
@@ -214,23 +199,6 @@ def _int4_mma_kernel(
 
 
 WARPS = ({"WARPS": 4, "num_warps": 4, "num_stages": 1}, {"WARPS": 8, "num_warps": 8, "num_stages": 1})
-# Where K is split into more runs than MAX_PARTIALS, the runs are the warps of one program (KWARPS), which add
-# their sums before storing, instead of programs that leave float32 partial sums for another kernel: H200,
-# Llama-3-8B int4-g128, decode step 2165 -> 2052 us with qkv, o and down so, the tuner picking among
-# `candidates` (the sum kernel after qkv cost ~4 us a layer, and the add + RMSNorm reading 16 partials ~1.4 us
-# a call more than reading one row; gate/up's 4 partials are added by SwiGLU's activation kernel, which runs
-# anyway).
-MAX_PARTIALS = 4
-KWARPS_MAX = 16  # warps of one program along K (a power of two dividing the groups)
-
-
-@functools.cache
-def candidates(K: int, group_size: int, split: int | None) -> tuple[dict, ...]:
-    """The tuner's launch configurations: programs of 4 or 8 row tiles, and programs of one tile whose 2 to
-    KWARPS_MAX warps take equal runs of the program's groups (built once per shape: every call asks)."""
-    G = K // group_size // (split or 1)
-    kwarps = [w for w in (2, 4, 8, KWARPS_MAX) if G % w == 0]
-    return WARPS + tuple({"WARPS": w, "KWARPS": True, "num_warps": w, "num_stages": 1} for w in kwarps)
 
 
 def _interpreted() -> bool:
@@ -254,13 +222,6 @@ def splits(N: int, K: int, group_size: int, multiprocessors: int) -> int:
     return next((d for d in fits if tiles * d >= WARPS_PER_SM * multiprocessors), fits[-1])
 
 
-def program_splits(N: int, K: int, group_size: int, multiprocessors: int) -> int:
-    """Runs of K left to separate programs, as float32 partial sums: `splits` where it is at most
-    MAX_PARTIALS, else 1 (the runs are then warps of one program, picked by the tuner among `candidates`)."""
-    runs = splits(N, K, group_size, multiprocessors)
-    return runs if runs <= MAX_PARTIALS else 1
-
-
 def int4_mma_gemv(
     x: torch.Tensor,
     words: torch.Tensor,
@@ -282,10 +243,6 @@ def int4_mma_gemv(
         x = x.clone()
     if split is not None and (K // group_size) % split:
         raise ValueError(f"split={split} does not divide the {K // group_size} groups of a row")
-    if blocks is not None and blocks.get("KWARPS") and (K // group_size // (split or 1)) % blocks["WARPS"]:
-        raise ValueError(
-            f"{blocks['WARPS']} warps cannot share a program's {K // group_size // (split or 1)} groups"
-        )
     out = (
         torch.empty(M, N, device=x.device, dtype=x.dtype)
         if split is None
@@ -294,7 +251,7 @@ def int4_mma_gemv(
     opts = launch_options(x.device)
 
     def run(b: dict, w: tuple[torch.Tensor, ...]) -> None:
-        grid = (N // 16 if b.get("KWARPS") else triton.cdiv(N // 16, b["WARPS"]), split or 1)
+        grid = (triton.cdiv(N // 16, b["WARPS"]), split or 1)
         _int4_mma_kernel[grid](
             x,
             w[0],
@@ -311,17 +268,16 @@ def int4_mma_gemv(
         )
 
     if blocks is None:
-        key = ("int4_mma", M, N, K, group_size, split)
-        blocks = tuning.pick(key, candidates(K, group_size, split), run, (words, sz))
+        blocks = tuning.pick(("int4_mma", M, N, K, group_size, split), WARPS, run, (words, sz))
     run(blocks, (words, sz))
     return out
 
 
 def int4_mma_linear(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
-    """y (M, N) in x's dtype: `int4_mma_gemv` over `program_splits` runs of K where N is small, the partial
-    sums added by a second kernel (launched with PDL, like the GEMV)."""
+    """y (M, N) in x's dtype: `int4_mma_gemv` over `splits` runs of K where N is small, the partial sums added
+    by a second kernel (launched with PDL, like the GEMV)."""
     K, N = x.shape[1], words.shape[0]
-    split = program_splits(N, K, group_size, multiprocessors(x.device))
+    split = splits(N, K, group_size, multiprocessors(x.device))
     if split == 1:
         return int4_mma_gemv(x, words, sz, group_size)
     return sum_splits(int4_mma_gemv(x, words, sz, group_size, split), x.dtype)
