@@ -27,6 +27,10 @@ class ContextLengthError(EmberError):
     """A prompt (plus the tokens asked for) does not fit in the model's context window."""
 
 
+class NonFiniteLogitsError(EmberError):
+    """A model's logits are NaN or inf (activations overflowing float16, or broken weights)."""
+
+
 class TokenizerError(EmberError):
     """A tokenizer or chat template cannot be loaded or rendered."""
 

@@ -86,3 +86,20 @@ def test_stop_token_ends_generation():
     params = SamplingParams(max_tokens=10, temperature=0)
     steps = list(gen.generate([5, 6, 7], params, (first[1],), None))
     assert [s.token_id for s in steps] == first[:2] and steps[-1].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_logits_that_are_not_finite_are_an_error_not_a_run_of_token_zero(dtype):
+    """Activations that overflow float16 (Gemma 3 does) made NaN logits, whose argmax is token 0: the run
+    answered "" and exited 0. Now the first token's read names the cause."""
+    from ember.errors import NonFiniteLogitsError
+
+    model = random_model("tiny", device="cpu", dtype=dtype)
+    with torch.no_grad():  # silu(gate) * up ~1e6: float16 tops out at 65504
+        model.model.layers[0].mlp.gate_up_proj.weight.mul_(1e4)
+    gen = Generator(model, device=torch.device("cpu"), context=64)
+    if dtype == torch.float32:
+        assert len(greedy(gen, [1, 2, 3], 2)) == 2
+        return
+    with pytest.raises(NonFiniteLogitsError, match="overflow float16.*bfloat16 or float32"):
+        greedy(gen, [1, 2, 3], 2)

@@ -32,7 +32,7 @@ import torch
 from ember.engine.inductor_compat import cheap_fallback_messages
 from ember.engine.kv_cache import StaticKVCache
 from ember.engine.sampler import SamplingParams, SamplingTensors, apply_penalties, make_generator, sample
-from ember.errors import ContextLengthError, InvalidParameterError
+from ember.errors import ContextLengthError, InvalidParameterError, NonFiniteLogitsError
 from ember.models.decoder import Decoder
 from ember.ops.argmax import argmax
 
@@ -105,6 +105,20 @@ def _plain(params: SamplingParams) -> bool:
         and params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0
         and not params.logit_bias
+    )
+
+
+def _non_finite_message(model: torch.nn.Module) -> str:
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.float16:
+        return (
+            "the logits after the prompt are not finite (NaN or inf): this model's activations overflow "
+            "float16; run it in bfloat16 or float32 (--dtype)"
+        )
+    name = str(dtype).removeprefix("torch.")
+    return (
+        f"the logits after the prompt are not finite (NaN or inf) in {name}: the checkpoint's weights hold "
+        "NaN or inf, or overflow this dtype"
     )
 
 
@@ -260,7 +274,9 @@ class Generator:
             return token, (logp, logp.topk(params.logprobs) if params.logprobs else None)
 
         start = time.perf_counter()
-        token, extra = pick(self._run_prefill(prompt, cache))
+        logits = self._run_prefill(prompt, cache)
+        finite = torch.isfinite(logits).all()  # read with the first token (no sync of its own)
+        token, extra = pick(logits)
         step_pos = torch.tensor([[len(prompt)]], device=self.device)  # (1, 1), advanced in place
         decode_start = start
         # On CUDA the next step is queued before waiting for this token; on CPU there is nothing to overlap,
@@ -274,6 +290,8 @@ class Generator:
             token_id = reader.read()  # the one host sync per step: the caller needs the token to stream it
             now = time.perf_counter()
             if i == 0:
+                if not bool(finite):
+                    raise NonFiniteLogitsError(_non_finite_message(self.model))
                 timings.prefill_s = timings.first_token_s = now - start
                 decode_start = now
             step = TokenStep(token_id)
