@@ -45,6 +45,25 @@ def test_quantized_linear_error_is_bounded(scheme, bias):
     assert err > 0  # really quantized
 
 
+@pytest.mark.parametrize("scheme", sorted(BOUNDS))
+@pytest.mark.parametrize("in_features,out_features", [(200, 96), (256, 120), (40, 7)])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_projections_of_any_width_quantize_on_cpu(scheme, in_features, out_features, rows):
+    """Widths torch's CPU kernels do not take (int8: K not a multiple of 16 crashed or gave NaN; int4: N not a
+    multiple of 16 was refused) run another path with the same bound."""
+    group = QuantSpec.parse(scheme).group_size
+    if group and in_features % group:
+        pytest.skip("the group size does not divide K (refused by check_fits)")
+    torch.manual_seed(0)
+    linear = nn.Linear(in_features, out_features)
+    q = QuantSpec.parse(scheme).make(linear)
+    q.prepare()
+    x = torch.randn(rows, in_features)
+    with torch.no_grad():
+        err = rel_err(q(x), linear(x))
+    assert err < BOUNDS[scheme], f"{scheme}: relative error {err:.4f}"
+
+
 @pytest.mark.parametrize(
     "scheme,kernel", [("int4-g32", "_weight_int4pack_mm_for_cpu"), ("int8", "int8_linear")]
 )

@@ -250,10 +250,22 @@ def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Ten
     return x.new_empty(x.shape[0], qweight.shape[0])
 
 
-@int8_linear.register_kernel("cpu")
-def _(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+# `_weight_int8pack_mm` on CPU reads K in blocks of 16: other widths crashed (SIGSEGV, several rows) or gave
+# NaN/inf (one row) with torch 2.13 on AVX-512. Such projections (tiny models) take the reference.
+INT8PACK_K = 16
+
+
+def int8_linear_cpu(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`int8_linear` on CPU: torch's kernel with bf16 activations, or the reference for widths it does not take.
+    The int8 module calls it directly: through the custom op a call cost ~12 us more (SmolLM2's decode makes
+    120 a step), and the op's first call imported torch._dynamo (~1 s inside the first token's time)."""
+    if qweight.shape[1] % INT8PACK_K:
+        return int8_linear_reference(x, qweight, scales)
     y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), qweight, scales.to(torch.bfloat16))
     return y.to(x.dtype)
+
+
+int8_linear.register_kernel("cpu")(int8_linear_cpu)
 
 
 @int8_linear.register_kernel("cuda")

@@ -203,6 +203,8 @@ class Int8WeightOnlyLinear(QuantLinear):
         if cpu_float_gemm(x2):  # the CPU kernel's operands: bf16 scales after the sum
             scales = round_bf16(self._scales_act.float())
             y = float_gemm_as_kernel(x2, self.qweight.float(), scales).to(x.dtype)
+        elif x2.is_cpu and not is_compiling():  # inductor's own lowering of torch's kernel fails (torch 2.13)
+            y = kernels.int8_linear_cpu(x2, self.qweight, self._scales_act)
         else:
             y = kernels.int8_linear(x2, self.qweight, self._scales_act)
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
@@ -303,16 +305,16 @@ class Int4WeightOnlyLinear(QuantLinear):
           every Llama-3-8B projection at one row as fast as torch's tinygemm or faster (gate/up 26.2 vs 33.8
           us, down 16.1 vs 19.0) and the compiled int4 step decodes 401 tok/s against 362 with tinygemm for
           the narrow projections, at the same time to first token (BENCHMARKS.md).
-        - "tinygemm": torch's int4 kernels (`_weight_int4pack_mm*`, `tinygemm_layout`), on CPU, and on CUDA
-          for bf16 projections that do not tile.
-        - "triton": Ember's canonical-layout GEMV for the rest.
+        - "tinygemm": torch's int4 kernels (`_weight_int4pack_mm*`, `tinygemm_layout`), on CPU where N is a
+          multiple of 16 (the CPU packing's rows), and on CUDA for bf16 projections that do not tile.
+        - "triton": Ember's canonical-layout GEMV for the rest (on CPU: dequantize and matmul).
         """
         dev = self.qweight.device
         self._splits = 1
         inner = next((t for t in (8, 4, 2) if self.in_features % (16 * t) == 0), None)
         cuda_ok = self.dtype == torch.bfloat16 and self.out_features % 8 == 0 and inner is not None
         if dev.type == "cpu":
-            self._kernel = "tinygemm"
+            self._kernel = "tinygemm" if self.out_features % 16 == 0 else "triton"
         elif (
             dev.type == "cuda"
             and self.dtype == torch.bfloat16
