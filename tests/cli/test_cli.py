@@ -84,6 +84,12 @@ def test_unknown_alias(capsys):
     assert_one_line_error(code, err, "unknown model 'no-such-model'", "smollm2-135m-instruct")
 
 
+def test_one_file_of_a_model_directory_names_the_directory(capsys, tiny_llama_dir):
+    path = next(tiny_llama_dir.glob("*.safetensors"))
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", str(path))
+    assert_one_line_error(code, err, str(path), f"pass {tiny_llama_dir}")
+
+
 def test_foreign_file_named_gguf(capsys, tmp_path):
     path = tmp_path / "notes.gguf"
     path.write_text("these are not weights\n" * 10)

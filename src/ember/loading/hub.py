@@ -151,6 +151,11 @@ def resolve(name: str | Path) -> ResolvedModel:
             )
             raise ModelNotFoundError(f"model {text!r} is known but not on this machine; get it with: {hint}")
         return ResolvedModel(text, found, "gguf" if found.suffix == ".gguf" else "hf")
+    if path.is_file() and path.suffix in (".safetensors", ".json", ".bin", ".pt", ".pth"):
+        raise ModelNotFoundError(
+            f"{path}: a model is a directory (config.json, tokenizer files, *.safetensors) or a .gguf file, "
+            f"not one {path.suffix} file; pass {path.parent}"
+        )
     if path.suffix == ".gguf" or path.is_file():
         if not path.exists():
             raise ModelNotFoundError(f"{path}: no such file")
