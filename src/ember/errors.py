@@ -31,6 +31,19 @@ class NonFiniteLogitsError(EmberError):
     """A model's logits are NaN or inf (activations overflowing float16, or broken weights)."""
 
 
+def non_finite_logits_message(dtype: str) -> str:
+    """What NonFiniteLogitsError says for a model run in `dtype` ("float16", "bfloat16", ...)."""
+    if dtype == "float16":
+        return (
+            "the logits are not finite (NaN or inf): this model's activations overflow "
+            "float16; run it in bfloat16 or float32 (--dtype)"
+        )
+    return (
+        f"the logits are not finite (NaN or inf) in {dtype}: the checkpoint's weights hold "
+        "NaN or inf, or overflow this dtype"
+    )
+
+
 class TokenizerError(EmberError):
     """A tokenizer or chat template cannot be loaded or rendered."""
 

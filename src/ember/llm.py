@@ -23,7 +23,7 @@ from ember.engine.core import EngineConfig, EngineCore
 from ember.engine.generate import Generator
 from ember.engine.output import TextAssembler
 from ember.engine.sampler import SamplingParams, make_generator
-from ember.errors import InvalidParameterError, check_count
+from ember.errors import EmberError, InvalidParameterError, check_count
 from ember.loading.checkpoint import LoadedModel, load
 from ember.loading.hub import DEFAULT_MODEL
 
@@ -173,6 +173,9 @@ class LLM:
                 sub = params if params.seed is None else replace(params, seed=params.seed + j)
                 core.add_request(f"llm-{i}-{j}", ids, sub)
         updates = core.run_to_completion()
+        failed = next((u for steps in updates.values() for u in steps if u.finish_reason == "error"), None)
+        if failed is not None:
+            raise EmberError(failed.error or "internal error in the engine")
         results = []
         for i, (prompt, ids) in enumerate(prompts):
             out = RequestOutput(prompt=prompt, prompt_token_ids=ids)

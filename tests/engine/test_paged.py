@@ -188,3 +188,23 @@ def test_bad_token_ids_are_refused_before_queuing(windowed_llm):
     with pytest.raises(InvalidParameterError, match="prompt token id -1"):
         core.add_request("y", [5, -1], ember.SamplingParams())
     assert not core.has_work()
+
+
+def test_a_request_whose_logits_are_not_finite_ends_with_an_error_not_token_zero(tiny_llama_dir):
+    """float16 overflow gave NaN logits, sampled as token 0 for the whole answer; now the request ends with
+    finish_reason "error" and the cause (the server answers 500 with it), and LLM.generate raises it."""
+    from ember.errors import EmberError
+
+    llm = ember.LLM(tiny_llama_dir, dtype="float16")
+    with torch.no_grad():  # silu(gate) * up ~1e6: float16 tops out at 65504
+        llm.loaded.model.model.layers[0].mlp.gate_up_proj.weight.mul_(1e4)
+    core = EngineCore(llm.loaded, EngineConfig(kv_cache_memory=8 << 20, block_size=4))
+    for i, ids in enumerate(prompts(2)):
+        core.add_request(str(i), ids, GREEDY)
+    updates = core.run_to_completion()
+    for steps in updates.values():
+        assert [u.finish_reason for u in steps] == ["error"] and steps[0].token_ids == []
+        assert "overflow float16" in steps[0].error
+    assert not core.has_work()
+    with pytest.raises(EmberError, match="overflow float16"):
+        llm.generate("Hello", GREEDY)

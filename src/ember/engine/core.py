@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,7 +22,13 @@ from ember.engine.paged_cache import PagedBatch, PagedKVCache
 from ember.engine.request import Request, RequestUpdate, Status
 from ember.engine.sampler import SamplingParams, SamplingTensors, apply_penalties, make_generator, sample
 from ember.engine.scheduler import Scheduler, SchedulerOutput
-from ember.errors import ContextLengthError, EmberError, InvalidParameterError, check_count
+from ember.errors import (
+    ContextLengthError,
+    EmberError,
+    InvalidParameterError,
+    check_count,
+    non_finite_logits_message,
+)
 from ember.loading.checkpoint import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -62,6 +68,7 @@ class EngineStats:
 class RunnerOutput:
     sampled: dict[str, int]  # request id -> token
     logprobs: dict[str, dict[int, float]]
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why it has no token (NaN logits)
 
 
 class ModelRunner:
@@ -133,12 +140,18 @@ class ModelRunner:
             seen = torch.stack([r.seen if r.seen is not None else zeros_b for r in sampling])
             counts = torch.stack([r.counts if r.counts is not None else zeros_i for r in sampling])
             processed = apply_penalties(logits, st, seen, counts)
-        chosen = sample(processed, st, [r.generator for r in sampling]).tolist()
-        want_logprobs = [i for i, r in enumerate(sampling) if r.params.logprobs is not None]
+        tokens = sample(processed, st, [r.generator for r in sampling])
+        finite = torch.isfinite(logits).all(dim=-1)  # NaN logits would sample token 0 (float16 overflow)
+        chosen, ok = torch.stack((tokens, finite.to(tokens.dtype))).tolist()  # one sync for both
+        want_logprobs = [i for i, r in enumerate(sampling) if r.params.logprobs is not None and ok[i]]
         if want_logprobs:
             logp = torch.log_softmax(logits[want_logprobs], dim=-1)
         for row, r in enumerate(sampling):
-            out.sampled[r.request_id] = chosen[row]
+            if ok[row]:
+                out.sampled[r.request_id] = chosen[row]
+            else:
+                dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+                out.failed[r.request_id] = non_finite_logits_message(dtype)
         for j, row in enumerate(want_logprobs):
             r, token = sampling[row], chosen[row]
             entry = {}
@@ -304,6 +317,11 @@ class EngineCore:
             r = s.request
             r.num_computed += s.num_tokens
             self.scheduler.register_full_blocks(r)
+            if r.request_id in result.failed:
+                self.scheduler.finish(r)
+                self._requests.pop(r.request_id, None)
+                updates.append(self._final(r, "error", result.failed[r.request_id]))
+                continue
             token = result.sampled.get(r.request_id)
             if token is not None:
                 updates.append(self._append(r, token, result.logprobs.get(r.request_id)))

@@ -32,7 +32,12 @@ import torch
 from ember.engine.inductor_compat import cheap_fallback_messages
 from ember.engine.kv_cache import StaticKVCache
 from ember.engine.sampler import SamplingParams, SamplingTensors, apply_penalties, make_generator, sample
-from ember.errors import ContextLengthError, InvalidParameterError, NonFiniteLogitsError
+from ember.errors import (
+    ContextLengthError,
+    InvalidParameterError,
+    NonFiniteLogitsError,
+    non_finite_logits_message,
+)
 from ember.models.decoder import Decoder
 from ember.ops.argmax import argmax
 
@@ -105,20 +110,6 @@ def _plain(params: SamplingParams) -> bool:
         and params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0
         and not params.logit_bias
-    )
-
-
-def _non_finite_message(model: torch.nn.Module) -> str:
-    dtype = next(model.parameters()).dtype
-    if dtype == torch.float16:
-        return (
-            "the logits after the prompt are not finite (NaN or inf): this model's activations overflow "
-            "float16; run it in bfloat16 or float32 (--dtype)"
-        )
-    name = str(dtype).removeprefix("torch.")
-    return (
-        f"the logits after the prompt are not finite (NaN or inf) in {name}: the checkpoint's weights hold "
-        "NaN or inf, or overflow this dtype"
     )
 
 
@@ -291,7 +282,8 @@ class Generator:
             now = time.perf_counter()
             if i == 0:
                 if not bool(finite):
-                    raise NonFiniteLogitsError(_non_finite_message(self.model))
+                    dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+                    raise NonFiniteLogitsError(non_finite_logits_message(dtype))
                 timings.prefill_s = timings.first_token_s = now - start
                 decode_start = now
             step = TokenStep(token_id)
