@@ -79,11 +79,15 @@ def _ids(value: object) -> tuple[int, ...]:
     return tuple(int(v) for v in value)  # type: ignore[union-attr]
 
 
-def rope_from_hf(hf: dict, *, head_dim: int, params: dict | None = None) -> RopeConfig:
+def rope_from_hf(
+    hf: dict, *, head_dim: int, params: dict | None = None, partial_rotary: bool = False
+) -> RopeConfig:
     """Reads rope settings in either spelling: transformers 5's `rope_parameters` or `rope_theta` + `rope_scaling`.
 
     `params` picks one entry explicitly; otherwise a `rope_parameters` keyed by layer type (Gemma 3 in
     transformers 5: {"full_attention": ..., "sliding_attention": ...}) yields its full-attention entry.
+    `partial_rotary`: the family rotates `partial_rotary_factor` of each head (Phi-3); the others rotate all of
+    it whatever the config says, as transformers does.
     """
     if params is None:
         params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -95,6 +99,8 @@ def rope_from_hf(hf: dict, *, head_dim: int, params: dict | None = None) -> Rope
     if rope_type == "su":  # Phi-3's early name for longrope
         rope_type = "longrope"
     partial = p.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor") or 1.0
+    if not partial_rotary:
+        partial = 1.0
     max_pos = int(hf.get("max_position_embeddings") or 2048)
     if rope_type in ("yarn", "longrope"):
         p.setdefault(
@@ -125,8 +131,9 @@ def layer_windows(hf: dict, num_layers: int) -> tuple[int | None, ...]:
     return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
-def common_fields(hf: dict) -> dict:
-    """The fields every decoder family reads the same way, as keyword arguments for ModelConfig."""
+def common_fields(hf: dict, *, partial_rotary: bool = False) -> dict:
+    """The fields every decoder family reads the same way, as keyword arguments for ModelConfig (keys a
+    checkpoint leaves out take the family's defaults first, `Family.defaults`)."""
     heads = int(hf["num_attention_heads"])
     head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // heads
     num_layers = int(hf["num_hidden_layers"])
@@ -141,7 +148,7 @@ def common_fields(hf: dict) -> dict:
         head_dim=int(head_dim),
         max_position_embeddings=int(hf.get("max_position_embeddings") or 2048),
         norm_eps=float(hf.get("rms_norm_eps") or hf.get("layer_norm_eps") or 1e-6),
-        rope=rope_from_hf(hf, head_dim=int(head_dim)),
+        rope=rope_from_hf(hf, head_dim=int(head_dim), partial_rotary=partial_rotary),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         hidden_act=hf.get("hidden_act") or hf.get("hidden_activation") or "silu",
         bos_token_id=hf.get("bos_token_id"),

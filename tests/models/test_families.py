@@ -8,6 +8,8 @@ dense layers in between, Granite's multipliers, OLMo 2's post-norms.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import transformers
@@ -201,6 +203,71 @@ def test_greedy_continuation_matches_transformers(pair):
     n = 16
     expected = ref.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     assert greedy(model, prompt[0].tolist(), n) == expected[0, prompt.shape[1] :].tolist()
+
+
+# What a config.json must say; everything else may be left out (older transformers drop keys equal to the base
+# class's defaults, e.g. tie_word_embeddings=True, and hand-written configs drop more).
+STRUCTURAL = {
+    "architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "vocab_size", "head_dim", "num_local_experts", "num_experts_per_tok",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "arch,extra",
+    [
+        ("Gemma2", dict(head_dim=32)),  # ties embeddings, soft-caps at 50 / 30, scales queries by 256 ** -0.5
+        ("Gemma3Text", dict(head_dim=32)),  # ties embeddings, global rope base 1e6
+        ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),  # eps 1e-5, rope base 1e6
+        ("Phi3", dict(pad_token_id=0)),  # eps 1e-5
+        ("Olmo2", dict()),  # eps 1e-5
+        ("Qwen3", dict(head_dim=32)),
+    ],
+)
+@torch.no_grad()
+def test_keys_a_config_leaves_out_take_the_transformers_class_defaults(arch, extra, tmp_path):
+    torch.manual_seed(0)
+    config_cls = getattr(transformers, f"{arch}Config")
+    model_cls = getattr(transformers, f"{arch.removesuffix('Text')}ForCausalLM")
+    keys = {k: BASE[k] for k in STRUCTURAL & BASE.keys()}
+    ref = model_cls(config_cls(**keys, **extra, attn_implementation="eager")).eval()
+    for name, p in ref.named_parameters():
+        if "norm" in name:
+            p.add_(torch.randn_like(p) * 0.2)
+    ref.save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k in STRUCTURAL}))
+    model = load_hf_dir(tmp_path)
+    ids = torch.randint(3, BASE["vocab_size"], (1, PROMPT))
+    assert (run_cached(model, ids, split=PROMPT, max_seq_len=MAX_SEQ) - ref(ids).logits).abs().max() <= 1e-4
+
+
+def test_config_keys_that_change_outputs_are_read_as_transformers_reads_them(tmp_path):
+    from ember.errors import CheckpointError
+    from ember.models import config_from_hf
+
+    base = {**BASE, "architectures": ["LlamaForCausalLM"]}
+    # Only Phi-3 rotates part of each head; transformers' Llama ignores the key.
+    assert config_from_hf({**base, "partial_rotary_factor": 0.5}).rope.rotary_dim == 16
+    phi3 = {**base, "architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 0.5}
+    assert config_from_hf(phi3).rope.rotary_dim == 8
+    # Phi-3: the top-level original length wins over the rope settings' own (4096 when absent).
+    longrope = _longrope(8)
+    for top, want in ((8, 8), (None, 4096)):
+        cfg = {**phi3, "rope_scaling": {**longrope, "original_max_position_embeddings": 64}}
+        cfg = {**cfg, "original_max_position_embeddings": top} if top else cfg
+        assert config_from_hf(cfg).rope.params["original_max_position_embeddings"] == want
+    # Gemma 3's modelling does not soft-cap attention scores whatever the config says; Gemma 2 does.
+    gemma = {**base, "head_dim": 32, "attn_logit_softcapping": 5.0}
+    assert config_from_hf({**gemma, "architectures": ["Gemma3ForCausalLM"]}).attn_logit_softcap is None
+    assert config_from_hf({**gemma, "architectures": ["Gemma2ForCausalLM"]}).attn_logit_softcap == 5.0
+    # What Ember cannot run is one line naming the key, not a silent change of outputs or a ValueError.
+    with pytest.raises(UnsupportedArchitectureError, match="use_bidirectional_attention"):
+        config_from_hf({**gemma, "architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True})
+    with pytest.raises(UnsupportedArchitectureError, match="rope type 'proportional'"):
+        config_from_hf({**base, "rope_scaling": {"rope_type": "proportional"}})
+    with pytest.raises(CheckpointError, match="lacks 'hidden_size'"):
+        config_from_hf({k: v for k, v in base.items() if k != "hidden_size"})
 
 
 def test_unsupported_architecture_lists_supported():

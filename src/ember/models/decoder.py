@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.config import ModelConfig
+from ember.errors import UnsupportedArchitectureError
 from ember.ops.linear import Linear, project, silu_gate_up
 from ember.ops.norm import RMSNorm
 from ember.ops.rope import Rope
@@ -57,12 +58,15 @@ ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
+    "swish": F.silu,  # transformers' other name for silu
 }
 
 
 def activation(name: str):
     if name not in ACTIVATIONS:
-        raise ValueError(f"activation {name!r} is not supported; expected one of {sorted(ACTIVATIONS)}")
+        raise UnsupportedArchitectureError(
+            f"activation {name!r} is not supported; expected one of {sorted(ACTIVATIONS)}"
+        )
     return ACTIVATIONS[name]
 
 

@@ -31,14 +31,16 @@ def _gemma_fields(hf: dict, default_period: int) -> dict:
         norm_offset=1.0,  # Gemma: norm weight is (1 + w)
         embedding_multiplier=fields["hidden_size"] ** 0.5,  # Gemma: embeddings scaled by sqrt(hidden)
         attention_scale=float(hf.get("query_pre_attn_scalar") or fields["head_dim"]) ** -0.5,
-        attn_logit_softcap=hf.get("attn_logit_softcapping"),
         final_logit_softcap=hf.get("final_logit_softcapping"),
         layer_windows=layer_windows(hf, n),
     )
 
 
 def gemma2_config(hf: dict) -> ModelConfig:
-    return ModelConfig(**_gemma_fields(hf, default_period=2))
+    # Gemma 2 soft-caps attention scores (Gemma 3's modelling ignores the key; so does Ember).
+    return ModelConfig(
+        **_gemma_fields(hf, default_period=2), attn_logit_softcap=hf.get("attn_logit_softcapping")
+    )
 
 
 def _local_rope(hf: dict, head_dim: int) -> RopeConfig:
@@ -50,6 +52,10 @@ def _local_rope(hf: dict, head_dim: int) -> RopeConfig:
 
 
 def gemma3_config(hf: dict) -> ModelConfig:
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError(
+            "use_bidirectional_attention (an embedding model) is not supported: Ember decodes causally"
+        )
     fields = _gemma_fields(hf, default_period=6)
     return ModelConfig(
         **fields,
@@ -58,5 +64,26 @@ def gemma3_config(hf: dict) -> ModelConfig:
     )
 
 
-GEMMA2 = register(Family("gemma2", ("Gemma2ForCausalLM",), gemma2_config))
-GEMMA3 = register(Family("gemma3", ("Gemma3ForCausalLM",), gemma3_config))
+# transformers' Gemma config defaults (checkpoints saved by older versions leave tie_word_embeddings=True out).
+_GEMMA_DEFAULTS = {"tie_word_embeddings": True, "sliding_window": 4096, "query_pre_attn_scalar": 256}
+GEMMA2 = register(
+    Family(
+        "gemma2",
+        ("Gemma2ForCausalLM",),
+        gemma2_config,
+        defaults={
+            **_GEMMA_DEFAULTS,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+            "max_position_embeddings": 8192,
+        },
+    )
+)
+GEMMA3 = register(
+    Family(
+        "gemma3",
+        ("Gemma3ForCausalLM",),
+        gemma3_config,
+        defaults={**_GEMMA_DEFAULTS, "rope_theta": 1e6, "max_position_embeddings": 131072},
+    )
+)

@@ -28,4 +28,11 @@ def mistral_config(hf: dict) -> ModelConfig:
 
 
 LLAMA = register(Family("llama", ("LlamaForCausalLM",), llama_config))
-MISTRAL = register(Family("mistral", ("MistralForCausalLM",), mistral_config))
+MISTRAL = register(
+    Family(
+        "mistral",
+        ("MistralForCausalLM",),
+        mistral_config,
+        defaults={"sliding_window": 4096, "max_position_embeddings": 131072},
+    )
+)

@@ -33,4 +33,12 @@ def mixtral_rename(name: str) -> str:
     return _EXPERT_RE.sub(lambda m: f"{m[1]}{_EXPERT_PROJ[m[2]]}.", name)
 
 
-MIXTRAL = register(Family("mixtral", ("MixtralForCausalLM",), mixtral_config, rename=mixtral_rename))
+MIXTRAL = register(
+    Family(
+        "mixtral",
+        ("MixtralForCausalLM",),
+        mixtral_config,
+        rename=mixtral_rename,
+        defaults={"rms_norm_eps": 1e-5, "rope_theta": 1e6, "max_position_embeddings": 131072},
+    )
+)

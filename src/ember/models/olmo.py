@@ -22,4 +22,4 @@ def olmo2_config(hf: dict) -> ModelConfig:
     )
 
 
-OLMO2 = register(Family("olmo2", ("Olmo2ForCausalLM",), olmo2_config))
+OLMO2 = register(Family("olmo2", ("Olmo2ForCausalLM",), olmo2_config, defaults={"rms_norm_eps": 1e-5}))

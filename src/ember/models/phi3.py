@@ -13,10 +13,28 @@ from ember.models.registry import Family, register
 
 
 def phi3_config(hf: dict) -> ModelConfig:
-    fields = common_fields(hf)
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if hf.get("original_max_position_embeddings") and scaling:
+        # Phi-3: the top-level original length wins over one inside the rope settings (as in transformers).
+        key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+        scaling = {**scaling, "original_max_position_embeddings": hf["original_max_position_embeddings"]}
+        hf = {**hf, key: scaling}
+    fields = common_fields(hf, partial_rotary=True)
     # Phi-3: the sliding window (when the config sets one) applies to every layer.
     return ModelConfig(**fields, layer_windows=layer_windows(hf, fields["num_layers"]))
 
 
 # Phi-3: q/k/v and gate/up are fused in the checkpoint already.
-PHI3 = register(Family("phi3", ("Phi3ForCausalLM",), phi3_config, packed={}))
+PHI3 = register(
+    Family(
+        "phi3",
+        ("Phi3ForCausalLM",),
+        phi3_config,
+        packed={},
+        defaults={
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 4096,
+            "original_max_position_embeddings": 4096,
+        },
+    )
+)

@@ -64,6 +64,7 @@ def qwen3_moe_config(hf: dict) -> ModelConfig:
     )
 
 
-QWEN2 = register(Family("qwen2", ("Qwen2ForCausalLM",), qwen2_config))
-QWEN3 = register(Family("qwen3", ("Qwen3ForCausalLM",), qwen3_config))
-QWEN3_MOE = register(Family("qwen3_moe", ("Qwen3MoeForCausalLM",), qwen3_moe_config))
+_QWEN_DEFAULTS = {"max_position_embeddings": 32768}
+QWEN2 = register(Family("qwen2", ("Qwen2ForCausalLM",), qwen2_config, defaults=_QWEN_DEFAULTS))
+QWEN3 = register(Family("qwen3", ("Qwen3ForCausalLM",), qwen3_config, defaults=_QWEN_DEFAULTS))
+QWEN3_MOE = register(Family("qwen3_moe", ("Qwen3MoeForCausalLM",), qwen3_moe_config, defaults=_QWEN_DEFAULTS))

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ember.config import ModelConfig
-from ember.errors import UnsupportedArchitectureError
+from ember.errors import CheckpointError, UnsupportedArchitectureError
 
 # Ember parameter -> the checkpoint parameters concatenated (dim 0) to make it.
 DEFAULT_PACKED: Mapping[str, tuple[str, ...]] = {
@@ -38,6 +38,9 @@ class Family:
     stacked: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: dict(DEFAULT_STACKED))
     # Checkpoint name -> Hugging Face name for checkpoints that spell weights differently (applied first).
     rename: Callable[[str], str] | None = None
+    # Values for keys a config.json leaves out: the transformers config class's defaults, where they differ from
+    # `common_fields`' (saves drop keys equal to the base class's defaults, e.g. tie_word_embeddings=True).
+    defaults: Mapping[str, object] = field(default_factory=dict)
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -71,7 +74,13 @@ def config_from_hf(hf: dict) -> ModelConfig:
             f"config has no 'architectures' entry (model_type={hf.get('model_type')!r}); "
             f"supported: {', '.join(supported_architectures())}"
         )
-    return get_family(archs[0]).config(hf)
+    family = get_family(archs[0])
+    try:
+        return family.config({**family.defaults, **hf})
+    except KeyError as e:
+        raise CheckpointError(f"{archs[0]} config lacks {e.args[0]!r}") from None
+    except (ValueError, TypeError) as e:
+        raise UnsupportedArchitectureError(f"{archs[0]} config: {e}") from None
 
 
 def _load_all() -> None:
