@@ -76,6 +76,7 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, cache: PagedKVCache) -> None:
         self.model = loaded.model
+        self.dtype = loaded.dtype
         self.cache = cache
         self.device = loaded.device
         self.vocab_size = loaded.config.vocab_size
@@ -150,7 +151,7 @@ class ModelRunner:
             if ok[row]:
                 out.sampled[r.request_id] = chosen[row]
             else:
-                dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+                dtype = str(self.dtype).removeprefix("torch.")
                 out.failed[r.request_id] = non_finite_logits_message(dtype)
         for j, row in enumerate(want_logprobs):
             r, token = sampling[row], chosen[row]

@@ -157,7 +157,10 @@ class Generator:
         self.compiled_prefill = compile_prefill
         self._prefill_graphs = compile_prefill and device.type == "cuda"  # one CUDA graph per padded length
         # Prefill at `prefill_length`s (see the module note); settable, so tests can check padding on a CPU.
-        self.pad_prefill = self._prefill_graphs
+        # Not where the rope reads the sequence's length from its positions (longrope, dynamic): the padding's
+        # positions would count.
+        rope_types = {model.config.rope.rope_type} | {getattr(model.config.local_rope, "rope_type", None)}
+        self.pad_prefill = self._prefill_graphs and not rope_types & {"longrope", "dynamic"}
         # CPU decode tries the AOTInductor step when the first cache is made (see _cache_for).
         self._try_aoti = compile and device.type == "cpu" and os.environ.get("EMBER_AOTI", "1") != "0"
         self._decode: StepFn = self._forward
@@ -282,7 +285,7 @@ class Generator:
             now = time.perf_counter()
             if i == 0:
                 if not bool(finite):
-                    dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+                    dtype = str(self.dtype).removeprefix("torch.")
                     raise NonFiniteLogitsError(non_finite_logits_message(dtype))
                 timings.prefill_s = timings.first_token_s = now - start
                 decode_start = now
