@@ -208,3 +208,60 @@ def test_a_request_whose_logits_are_not_finite_ends_with_an_error_not_token_zero
     assert not core.has_work()
     with pytest.raises(EmberError, match="overflow float16"):
         llm.generate("Hello", GREEDY)
+
+
+@torch.no_grad()
+def test_longrope_factors_follow_each_sequence_not_the_batch_or_a_chunk(tmp_path, smollm2_tokenizer_dir):
+    """Phi-3 LongRoPE takes its long factors once a sequence is longer than the original length. They were
+    picked from the largest position in the packed step: a prompt's early chunks took the short ones, and a
+    short request batched with a long one took the long ones. Against transformers' single-pass logprobs."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from tests.conftest import save_tiny
+
+    half = 8  # rotary_dim 16 (head_dim 16)
+    rope = dict(
+        rope_type="longrope",
+        short_factor=[1.0 + 0.1 * i for i in range(half)],
+        long_factor=[2.0 + 1.5 * i for i in range(half)],
+    )
+    cfg = Phi3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=256,
+        original_max_position_embeddings=16,
+        rope_parameters=dict(rope_theta=10000.0, **rope),
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        attn_implementation="eager",
+    )
+    ref = Phi3ForCausalLM(cfg).eval()
+    llm = ember.LLM(save_tiny(ref, tmp_path, smollm2_tokenizer_dir))
+    short, long = prompts(1, seed=3)[0][:10], prompts(1, seed=4)[0] * 3
+    assert len(short) + 4 <= 16 < len(long)
+    params = ember.SamplingParams(max_tokens=4, temperature=0, logprobs=0, ignore_eos=True)
+
+    def run(requests: dict[str, list[int]], chunk: int) -> dict[str, list[float]]:
+        core = EngineCore(llm.loaded, EngineConfig(kv_cache_memory=8 << 20, block_size=4, max_batched_tokens=chunk))
+        for rid, ids in requests.items():
+            core.add_request(rid, ids, params)
+        out = core.run_to_completion()
+        return {rid: [lp for u in steps for e in u.logprobs for lp in e.values()] for rid, steps in out.items()}
+
+    def expected(ids: list[int], tokens: list[int]) -> list[float]:
+        # transformers: one forward over the sequence, long factors for all of it when it is long
+        logp = torch.log_softmax(ref(torch.tensor([ids + tokens])).logits[0].float(), dim=-1)
+        return [float(logp[len(ids) - 1 + i, t]) for i, t in enumerate(tokens)]
+
+    alone = run({"long": long}, chunk=8)  # the long prompt prefilled in chunks of 8
+    core_tokens = llm.generate([long], params)[0].outputs[0].token_ids
+    assert alone["long"] == pytest.approx(expected(long, core_tokens), abs=1e-4)
+    together = run({"short": short, "long": long}, chunk=512)
+    short_tokens = llm.generate([short], params)[0].outputs[0].token_ids
+    assert together["short"] == pytest.approx(run({"short": short}, chunk=512)["short"], abs=1e-6)
+    assert together["short"] == pytest.approx(expected(short, short_tokens), abs=1e-4)

@@ -15,9 +15,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 
-def block_hashes(tokens: list[int], block_size: int) -> list[int]:
-    """Chained hashes of the full blocks of `tokens`: equal hashes mean equal prefixes."""
-    hashes, parent = [], 0
+def block_hashes(tokens: list[int], block_size: int, seed: int = 0) -> list[int]:
+    """Chained hashes of the full blocks of `tokens`: equal hashes mean equal prefixes (and equal `seed`s:
+    what else decides the blocks' keys, see `Scheduler`)."""
+    hashes, parent = [], seed
     for start in range(0, len(tokens) - block_size + 1, block_size):
         parent = hash((parent, tuple(tokens[start : start + block_size])))
         hashes.append(parent)

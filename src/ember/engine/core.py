@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ember.config import ModelConfig
 from ember.engine.block_manager import BlockManager
 from ember.engine.output import TextAssembler
 from ember.engine.paged_cache import PagedBatch, PagedKVCache
@@ -85,6 +86,7 @@ class ModelRunner:
         bs = self.cache.block_size
         tokens: list[int] = []
         positions: list[int] = []
+        lengths: list[int] = []
         slots: list[int] = []
         decode_index, decode_tables, decode_lens = [], [], []
         prefills = []
@@ -95,6 +97,7 @@ class ModelRunner:
             ids = r.all_ids[start : start + n]
             tokens.extend(ids)
             positions.extend(range(start, start + n))
+            lengths.extend([r.num_tokens] * n)  # a prompt's chunks: the whole prompt's length
             slots.extend(r.blocks[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1:
                 decode_index.append(offset)
@@ -111,6 +114,7 @@ class ModelRunner:
         batch = PagedBatch(
             slot_mapping=torch.tensor(slots, device=dev),
             positions=torch.tensor([positions], device=dev),
+            lengths=torch.tensor([lengths], device=dev),
             decode_index=torch.tensor(decode_index, dtype=torch.int64, device=dev),
             decode_tables=torch.tensor(padded, dtype=torch.int64, device=dev).view(len(padded), width),
             decode_lens=torch.tensor(decode_lens, dtype=torch.int64, device=dev),
@@ -164,6 +168,12 @@ class ModelRunner:
         return out
 
 
+def long_rope_from(cfg: ModelConfig) -> int | None:
+    """The length past which a LongRoPE model's sequences take the long factors (None: no LongRoPE)."""
+    ropes = [r for r in (cfg.rope, cfg.local_rope) if r is not None and r.rope_type == "longrope"]
+    return min(r.original_length for r in ropes) if ropes else None
+
+
 def default_kv_memory(loaded: LoadedModel) -> int:
     if loaded.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(loaded.device)
@@ -191,7 +201,10 @@ class EngineCore:
         )
         self.blocks = BlockManager(num_blocks, config.block_size, prefix_caching=config.prefix_caching)
         self.scheduler = Scheduler(
-            self.blocks, max_num_seqs=config.max_num_seqs, max_batched_tokens=config.max_batched_tokens
+            self.blocks,
+            max_num_seqs=config.max_num_seqs,
+            max_batched_tokens=config.max_batched_tokens,
+            long_rope_from=long_rope_from(cfg),
         )
         self.runner = ModelRunner(loaded, self.cache)
         self._requests: dict[str, Request] = {}

@@ -49,6 +49,9 @@ class StaticKVCache:
         view._slots = torch.arange(view.max_seq_len, device=k[0].device)[None]  # (1, S)
         return view
 
+    def sequence_lengths(self) -> None:
+        return None  # one sequence a row
+
     def begin(self, positions: torch.Tensor) -> None:
         """Called once per forward with positions (B, T): builds each window's mask once for all layers."""
         self._positions = positions

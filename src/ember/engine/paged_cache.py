@@ -27,6 +27,7 @@ class PagedBatch:
 
     slot_mapping: torch.Tensor  # (N,) int64: cache slot (block * block_size + offset) for each token
     positions: torch.Tensor  # (1, N) int64
+    lengths: torch.Tensor  # (1, N) int64: each token's sequence length (prompt and tokens so far)
     # Decode group: packed indices of the single-token requests, their block tables and context lengths.
     decode_index: torch.Tensor  # (Bd,) int64
     decode_tables: torch.Tensor  # (Bd, max_blocks) int64, padded with 0 (the padding sink)
@@ -63,6 +64,10 @@ class PagedKVCache:
 
     def set_batch(self, batch: PagedBatch) -> None:
         self.batch = batch
+
+    def sequence_lengths(self) -> torch.Tensor:
+        assert self.batch is not None, "PagedKVCache.set_batch() must run before the forward"
+        return self.batch.lengths
 
     def _slots(self, tables: torch.Tensor, length: int | None = None) -> torch.Tensor:
         """Block tables (B, nb) -> the cache slots of their tokens (B, S), S = nb * block_size (or `length`)."""

@@ -46,6 +46,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the full blocks computed so far
+    hash_seed: int = 0  # set with them (`Scheduler._match_prefix`)
     num_computed: int = 0  # tokens whose k/v are in the cache
     cached_tokens: int = 0
     # Penalty state, (V,) on the device; None when the request uses no penalty.

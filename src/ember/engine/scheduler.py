@@ -35,8 +35,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_batched_tokens: int,
+        long_rope_from: int | None = None,
+    ) -> None:
         self.blocks = blocks
+        # LongRoPE (`ember.ops.rope`): a sequence longer than this rotates its keys with the long factors, so
+        # its blocks are another prefix than a shorter sequence's with the same tokens (another hash seed).
+        self.long_rope_from = long_rope_from
         self.block_size = blocks.block_size
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
@@ -79,7 +89,9 @@ class Scheduler:
 
     def _match_prefix(self, request: Request) -> None:
         """Reuses cached blocks for the request's leading full blocks; at least one token is left to compute."""
-        hashes = block_hashes(request.all_ids[: request.num_tokens - 1], self.block_size)
+        long = self.long_rope_from is not None and request.num_tokens > self.long_rope_from
+        request.hash_seed = int(long)
+        hashes = block_hashes(request.all_ids[: request.num_tokens - 1], self.block_size, request.hash_seed)
         hits = self.blocks.match_prefix(hashes)
         self.blocks.acquire(hits)
         request.blocks = list(hits)
@@ -124,7 +136,7 @@ class Scheduler:
         full = request.num_computed // self.block_size
         if full <= len(request.block_hashes):
             return
-        hashes = block_hashes(request.all_ids[: full * self.block_size], self.block_size)
+        hashes = block_hashes(request.all_ids[: full * self.block_size], self.block_size, request.hash_seed)
         for i in range(len(request.block_hashes), full):
             self.blocks.register(request.blocks[i], hashes[i])
         request.block_hashes = hashes

@@ -33,6 +33,11 @@ class KVCache(Protocol):
         """Called once per forward with the positions (B, T) of this step's tokens."""
         ...
 
+    def sequence_lengths(self) -> torch.Tensor | None:
+        """(B, T): the length of each token's sequence (prompt and tokens so far) where a forward packs several
+        sequences in a row; None where each row is one sequence (its length: its last position + 1)."""
+        ...
+
     def attend(
         self,
         layer: int,
@@ -317,8 +322,9 @@ class Decoder(nn.Module):
             # Gemma rounds sqrt(E) to the activation dtype before scaling; do the same to match it.
             h = h * torch.tensor(cfg.embedding_multiplier, dtype=h.dtype)
         cache.begin(positions)
-        rope = self.rope(positions)
-        local = self.local_rope(positions) if self.local_rope is not None else rope
+        lengths = cache.sequence_lengths()
+        rope = self.rope(positions, lengths)
+        local = self.local_rope(positions, lengths) if self.local_rope is not None else rope
         if cfg.norm_placement == "pre":  # the residual adds ride in the next norm (`forward_pre`)
             delta = None
             for layer in self.model.layers:

@@ -3,7 +3,10 @@
 `RopeConfig` is the truthful description read from a config (`rope_type` plus its parameters); `Rope` turns
 positions into (cos, sin) tables. Two variants depend on the sequence length seen so far: dynamic NTK (the
 base grows past the trained length) and longrope (long factors once past the original length). Both choose
-from `max(positions) + 1` with tensor ops only, so the decode step stays free of host syncs and compiles.
+from the sequence's length (`max(positions) + 1` of a row, or the lengths a packed batch gives per token)
+with tensor ops only, so the decode step stays free of host syncs and compiles. As in vLLM, a sequence that
+grows past the original length while decoding keeps the keys it cached with the short factors (transformers
+recomputes its whole cache then).
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ class RopeConfig:
     max_position_embeddings: int
     rope_type: str = "default"
     params: dict = field(default_factory=dict)  # the variant's own keys, as the config spells them
+
+    @property
+    def original_length(self) -> int:
+        """yarn, longrope: the length the model was trained at (longrope switches factors past it)."""
+        return self.params.get("original_max_position_embeddings") or self.max_position_embeddings
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -104,7 +112,7 @@ class Rope(nn.Module):
         elif cfg.rope_type == "yarn":
             inv_freq, self.attention_factor = _yarn(cfg)
         elif cfg.rope_type == "longrope":
-            old_ctx = p.get("original_max_position_embeddings") or cfg.max_position_embeddings
+            old_ctx = cfg.original_length
             factor = p.get("factor") or cfg.max_position_embeddings / old_ctx
             self.attention_factor = p.get("attention_factor") or (
                 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
@@ -114,11 +122,14 @@ class Rope(nn.Module):
         self.inv_freq = inv_freq.to(device)
         self.long_inv_freq = long_inv_freq.to(device)
 
-    def _frequencies(self, positions: torch.Tensor) -> torch.Tensor:
+    def _frequencies(self, positions: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
         cfg = self.cfg
         if cfg.rope_type == "longrope":
-            old_ctx = cfg.params.get("original_max_position_embeddings") or cfg.max_position_embeddings
-            use_long = positions.max() + 1 > old_ctx
+            # Each sequence picks its own factors from its length (a row's, or per token where a forward packs
+            # several sequences): never from another sequence of the batch, nor from a chunk of its prompt.
+            if lengths is None:
+                lengths = positions.amax(dim=-1, keepdim=True) + 1  # (B, 1)
+            use_long = (lengths > cfg.original_length)[..., None]
             return torch.where(use_long, self.long_inv_freq, self.inv_freq)
         if cfg.rope_type == "dynamic":
             # NTK-aware: past the trained length L0 the base grows to theta * (f * L / L0 - (f - 1))^(d / (d - 2)).
@@ -129,8 +140,11 @@ class Rope(nn.Module):
             return 1.0 / (base**exponents)
         return self.inv_freq
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self._frequencies(positions)
+    def forward(
+        self, positions: torch.Tensor, lengths: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`lengths` (B, T): each token's sequence length, where a forward packs several sequences (longrope)."""
+        inv_freq = self._frequencies(positions, lengths)
         freqs = positions.float()[..., None] * inv_freq  # (B, T, Dr/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, Dr)
         return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
