@@ -247,11 +247,15 @@ def test_longrope_factors_follow_each_sequence_not_the_batch_or_a_chunk(tmp_path
     params = ember.SamplingParams(max_tokens=4, temperature=0, logprobs=0, ignore_eos=True)
 
     def run(requests: dict[str, list[int]], chunk: int) -> dict[str, list[float]]:
-        core = EngineCore(llm.loaded, EngineConfig(kv_cache_memory=8 << 20, block_size=4, max_batched_tokens=chunk))
+        core = EngineCore(
+            llm.loaded, EngineConfig(kv_cache_memory=8 << 20, block_size=4, max_batched_tokens=chunk)
+        )
         for rid, ids in requests.items():
             core.add_request(rid, ids, params)
         out = core.run_to_completion()
-        return {rid: [lp for u in steps for e in u.logprobs for lp in e.values()] for rid, steps in out.items()}
+        return {
+            rid: [lp for u in steps for e in u.logprobs for lp in e.values()] for rid, steps in out.items()
+        }
 
     def expected(ids: list[int], tokens: list[int]) -> list[float]:
         # transformers: one forward over the sequence, long factors for all of it when it is long
