@@ -1,7 +1,8 @@
 """The quantized-weights cache. On the real SmolLM2 GGUF: a later start loads what the first one saved (the
 same tensors and greedy answers as quantizing afresh), and a touched checkpoint or a truncated file is
 quantized again. On a tiny checkpoint directory: its key, `quant_cache=False`, and `ember generate` twice. On
-a tiny random model: unusable files and unwritable folders are warnings, never failures."""
+a tiny random model: unusable files (a tensor of the wrong shape included) and unwritable folders are warnings,
+never failures, and `load_quantized` refuses every such file with one CheckpointError naming it."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ember import LLM, SamplingParams
 from ember.bench import random_model
-from ember.quant import FORMAT_VERSION, quantize_model, read_metadata, save_quantized
+from ember.errors import CheckpointError
+from ember.quant import FORMAT_VERSION, load_quantized, quantize_model, read_metadata, save_quantized
 from ember.quant import cache as quant_cache
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
@@ -174,6 +176,19 @@ def through_cache(path: Path) -> tuple[torch.nn.Module, str]:
     )
 
 
+DOWN = "model.layers.0.mlp.down_proj.qweight"  # int8 (128, 256) in the tiny model
+
+
+def rewrite(src: Path, dst: Path, *, tensors=None, meta=None) -> Path:
+    """`src`'s tensors and metadata, changed in place by `tensors(dict)` and `meta(dict)`, saved as `dst`."""
+    state, metadata = load_file(src), read_metadata(src)
+    for change, value in ((tensors, state), (meta, metadata)):
+        if change is not None:
+            change(value)
+    save_file(state, str(dst), metadata=metadata)
+    return dst
+
+
 def _garbage(path: Path) -> None:
     path.write_bytes(b"not a safetensors file" * 100)
 
@@ -186,8 +201,16 @@ def _other_scheme(path: Path) -> None:
     save_quantized(quantize_model(tiny_float(), "int4-g32"), path)
 
 
+def _wrong_shape(path: Path) -> None:
+    # The right metadata, and one tensor cut short: it loaded, then failed every forward in the int8 kernel.
+    save_quantized(quantize_model(tiny_float(), "int8"), path)
+    rewrite(path, path, tensors=lambda st: st.update(**{DOWN: st[DOWN][:, :-16].contiguous()}))
+
+
 @pytest.mark.parametrize(
-    "damage", [_garbage, _other_format, _other_scheme], ids=["garbage", "format", "scheme"]
+    "damage",
+    [_garbage, _other_format, _other_scheme, _wrong_shape],
+    ids=["garbage", "format", "scheme", "shape"],
 )
 def test_an_unusable_cache_file_is_a_warning_and_is_replaced(tmp_path, caplog, damage):
     path = tmp_path / "tiny.safetensors"
@@ -212,3 +235,92 @@ def test_an_unwritable_cache_dir_warns_once_and_still_quantizes(tmp_path, caplog
     warnings = [r.getMessage() for r in caplog.records if r.name == "ember.quant.cache"]
     assert state == "miss" and model.quantization["scheme"] == "int8"
     assert len(warnings) == 1 and "cannot write" in warnings[0], warnings
+
+
+# -- load_quantized alone: every unusable file is one CheckpointError naming it -------------------------------
+
+
+def _config(change):
+    def edit(meta: dict) -> None:
+        config = json.loads(meta["ember.config"])
+        change(config)
+        meta["ember.config"] = json.dumps(config)
+
+    return edit
+
+
+DAMAGED = {
+    # name: (how the good file becomes a bad one, what the error must say after the path)
+    "missing file": (lambda good, bad: None, "no such file"),
+    "directory": (lambda good, bad: bad.mkdir(), "is a directory"),
+    "truncated header": (lambda good, bad: bad.write_bytes(good.read_bytes()[:100]), "truncated or corrupt"),
+    "truncated data": (
+        lambda good, bad: bad.write_bytes(good.read_bytes()[:-1]),
+        "truncated or corrupt",
+    ),
+    "gguf file": (
+        lambda good, bad: bad.write_bytes(b"GGUF\x03\x00\x00\x00" + bytes(64)),
+        "not a readable safetensors file",
+    ),
+    "missing qweight": (
+        lambda good, bad: rewrite(good, bad, tensors=lambda st: st.pop(DOWN)),
+        f"missing weights \\['{DOWN}'\\]",
+    ),
+    "missing scales": (
+        lambda good, bad: rewrite(good, bad, tensors=lambda st: st.pop(DOWN.replace("qweight", "scales"))),
+        "missing weights",
+    ),
+    "unexpected tensor": (
+        lambda good, bad: rewrite(good, bad, tensors=lambda st: st.update(extra=torch.zeros(2))),
+        "unexpected weights \\['extra'\\]",
+    ),
+    "qweight cut short": (
+        lambda good, bad: rewrite(
+            good, bad, tensors=lambda st: st.update(**{DOWN: st[DOWN][:, :-16].contiguous()})
+        ),
+        f"weight {DOWN} is int8 \\(128, 240\\), expected int8 \\(128, 256\\)",
+    ),
+    "scales of another dtype": (
+        lambda good, bad: rewrite(
+            good, bad, tensors=lambda st: st.update(**{"lm_head.scales": st["lm_head.scales"].half()})
+        ),
+        "weight lm_head.scales is float16 \\(512,\\), expected float32 \\(512,\\)",
+    ),
+    "config of another width": (
+        lambda good, bad: rewrite(good, bad, meta=_config(lambda c: c.update(hidden_size=64))),
+        "expected float32 \\(512, 64\\)",
+    ),
+    "empty config": (
+        lambda good, bad: rewrite(good, bad, meta=lambda m: m.update({"ember.config": "{}"})),
+        "metadata does not describe a quantized model",
+    ),
+    "unknown scheme": (
+        lambda good, bad: rewrite(
+            good,
+            bad,
+            meta=lambda m: m.update({"ember.quantization": m["ember.quantization"].replace("int8", "int3")}),
+        ),
+        "metadata does not describe a quantized model .*'int3'",
+    ),
+    "unknown dtype": (
+        lambda good, bad: rewrite(good, bad, meta=lambda m: m.update({"ember.dtype": "nn"})),
+        "metadata does not describe a quantized model",
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def good_file(tmp_path_factory) -> Path:
+    return save_quantized(
+        quantize_model(tiny_float(), "int8"), tmp_path_factory.mktemp("good") / "q.safetensors"
+    )
+
+
+@pytest.mark.parametrize("case", list(DAMAGED))
+def test_an_unusable_file_is_one_checkpoint_error_naming_it(good_file, tmp_path, case):
+    damage, says = DAMAGED[case]
+    bad = tmp_path / "bad.safetensors"
+    damage(good_file, bad)
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(bad))}: .*{says}") as e:
+        load_quantized(bad)
+    assert "\n" not in str(e.value)

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -238,45 +239,94 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
         return f.metadata() or {}
 
 
-@torch.no_grad()
-def load_quantized(path: str | os.PathLike, *, device: torch.device | str = "cpu") -> nn.Module:
-    """Rebuilds a model saved by `save_quantized` without redoing the quantization."""
+def _unreadable(path: str | os.PathLike, e: Exception) -> CheckpointError:
+    return CheckpointError(f"{path}: not a readable safetensors file ({e}); it may be truncated or corrupt")
+
+
+def _expected_model(path: str | os.PathLike, meta: dict[str, str]) -> nn.Module:
+    """The Decoder the metadata describes, on the meta device with its quantized modules swapped in: the names,
+    shapes and dtypes the file's tensors must have."""
     from ember.models.decoder import Decoder
 
-    meta = read_metadata(path)
+    try:
+        q = json.loads(meta["ember.quantization"])
+        cfg = _config_from_json(meta["ember.config"])
+        dtype = getattr(torch, meta["ember.dtype"])
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"ember.dtype {meta['ember.dtype']!r} is not a torch dtype")
+        per_module = q.get("module_schemes", {})
+        specs = {
+            name: QuantSpec.parse(
+                q["output_scheme"] if name == "lm_head" else per_module.get(name, q["scheme"])
+            )
+            for name in q["modules"]
+        }
+        with torch.device("meta"):
+            model = Decoder(cfg).to(dtype)
+            for name, s in specs.items():
+                linear = model.get_submodule(name)
+                if not isinstance(linear, nn.Linear):
+                    raise ValueError(f"{name} is not a projection of this config")
+                extra = {"group_size": s.group_size} if s.scheme == "int4" else {}
+                module = MODULES[s.scheme](
+                    linear.in_features, linear.out_features, linear.bias is not None, dtype, **extra
+                )
+                _set(model, name, module)
+    # Metadata that save_quantized did not write fails in json, ModelConfig, QuantSpec or a module's
+    # constructor, with many types (a KeyError for a missing field, a TypeError for a wrong one, ...).
+    except Exception as e:
+        raise CheckpointError(
+            f"{path}: Ember metadata does not describe a quantized model ({type(e).__name__}: {e})"
+        ) from None
+    model.quantization = q
+    return model
+
+
+@torch.no_grad()
+def load_quantized(path: str | os.PathLike, *, device: torch.device | str = "cpu") -> nn.Module:
+    """Rebuilds a model saved by `save_quantized` without redoing the quantization.
+
+    Every tensor is checked against the model its metadata describes (names, shapes and dtypes), so a missing,
+    foreign, truncated or inconsistent file is one CheckpointError naming it, never a model that fails later."""
+    if not Path(path).is_file():
+        found = "is a directory" if Path(path).is_dir() else "no such file"
+        raise CheckpointError(f"{path}: {found}, expected an Ember quantized checkpoint")
+    try:
+        meta = read_metadata(path)
+    except (SafetensorError, OSError) as e:  # a GGUF file reads as a header far too large, say
+        raise _unreadable(path, e) from None
     if meta.get("ember.format") != str(FORMAT_VERSION) or "ember.quantization" not in meta:
         raise CheckpointError(
             f"{path}: not an Ember quantized checkpoint (format {meta.get('ember.format')!r}, "
             f"expected {FORMAT_VERSION})"
         )
-    q = json.loads(meta["ember.quantization"])
-    cfg = _config_from_json(meta["ember.config"])
-    dtype = getattr(torch, meta["ember.dtype"])
-    spec = QuantSpec.parse(q["scheme"])
-    per_module = q.get("module_schemes", {})
-    state = load_file(str(path), device=str(device))
-    with torch.device("meta"):
-        model = Decoder(cfg)
-        for name in q["modules"]:
-            if name == "lm_head":
-                s = QuantSpec.parse(q["output_scheme"])
-            else:
-                s = QuantSpec.parse(per_module[name]) if name in per_module else spec
-            shape = state[f"{name}.qweight"].shape
-            in_features = shape[1] * (2 if s.scheme == "int4" else 1)
-            bias = f"{name}.bias" in state
-            extra = {"group_size": s.group_size} if s.scheme == "int4" else {}
-            _set(model, name, MODULES[s.scheme](in_features, shape[0], bias, dtype, **extra))
+    model = _expected_model(path, meta)
+    try:
+        state = load_file(str(path), device=str(device))
+    except (SafetensorError, OSError) as e:
+        raise _unreadable(path, e) from None
+    q, cfg = model.quantization, model.config
+    expected = model.state_dict()
     tied = {"lm_head.weight"} if cfg.tie_word_embeddings and "lm_head" not in q["modules"] else set()
-    missing = set(model.state_dict()) - set(state) - tied
+    missing = set(expected) - set(state) - tied
     if missing:
         raise CheckpointError(f"{path}: missing weights {sorted(missing)[:5]}")
+    unexpected = set(state) - set(expected)
+    if unexpected:
+        raise CheckpointError(f"{path}: unexpected weights {sorted(unexpected)[:5]}")
+    for name, want in expected.items():
+        tensor = state.get(name, want)  # a tied output projection's weight is not saved
+        if tensor.shape != want.shape or tensor.dtype != want.dtype:
+            raise CheckpointError(
+                f"{path}: weight {name} is {str(tensor.dtype).removeprefix('torch.')} "
+                f"{tuple(tensor.shape)}, expected {str(want.dtype).removeprefix('torch.')} "
+                f"{tuple(want.shape)} from its metadata"
+            )
     model.load_state_dict(state, strict=not tied, assign=True)
     model.tie_weights()
     model.init_buffers(device)
     for name in q["modules"]:
         model.get_submodule(name).prepare()
-    model.quantization = q
     return model.eval().requires_grad_(False)
 
 

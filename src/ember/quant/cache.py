@@ -83,7 +83,9 @@ def _read(
         return None
     try:
         model = load_quantized(path, device=device)
-    except Exception as e:  # a damaged file fails in safetensors, json or load_state_dict, with many types
+    # load_quantized raises CheckpointError for every missing, damaged or foreign file it knows of; a cache is
+    # only a cache, so anything else it meets is a fresh quantization too.
+    except Exception as e:
         log.warning("quant cache: %s cannot be read (%s); quantizing again and overwriting it", path, e)
         return None
     found = (model.quantization["scheme"], model.model.norm.weight.dtype, model.config)
