@@ -58,7 +58,7 @@ def _pair(case: str) -> tuple[Rope, LlamaRotaryEmbedding]:
         max_position_embeddings=MAX_POS,
         rope_parameters={**params, "partial_rotary_factor": partial},
     )
-    ours = Rope(rope_from_hf(hf, head_dim=HEAD_DIM))
+    ours = Rope(rope_from_hf(hf, head_dim=HEAD_DIM, partial_rotary=case in PARTIAL))  # as Phi-3 reads it
     ours.init_buffers("cpu")
     theirs = LlamaRotaryEmbedding(LlamaConfig(**hf))
     return ours, theirs
