@@ -20,9 +20,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ember.config import ModelConfig
 from ember.engine.generate import Generator, check_fits
 from ember.engine.sampler import SamplingParams
-from ember.errors import InvalidParameterError
+from ember.errors import EmberError, InvalidParameterError
 from ember.models.decoder import Decoder
 
 # Hugging Face config.json fields of real models, for random-weight benchmarks.
@@ -91,6 +92,17 @@ RANDOM_SHAPES: dict[str, dict] = {
 }
 
 
+def random_config(shape: str) -> ModelConfig:
+    """The config of a key of RANDOM_SHAPES; an EmberError naming the shapes for any other."""
+    from ember.models import config_from_hf
+
+    if shape not in RANDOM_SHAPES:
+        raise EmberError(
+            f"random-weight shape {shape!r} is unknown; expected one of {', '.join(RANDOM_SHAPES)}"
+        )
+    return config_from_hf(RANDOM_SHAPES[shape])
+
+
 @torch.no_grad()
 def random_model(
     shape: str, *, device: torch.device | str, dtype: torch.dtype, seed: int = 0, quantize: str | None = None
@@ -101,15 +113,9 @@ def random_model(
     as soon as its weights are drawn, so the float model never exists whole (Llama-3-8B, bfloat16, int4 on CPU:
     a peak of 11.5 GB, against 16.6 quantized after drawing); the same model as `quantize_model` of the float
     one."""
-    from ember.errors import EmberError
     from ember.loading.weights import check_memory
-    from ember.models import config_from_hf
 
-    if shape not in RANDOM_SHAPES:
-        raise EmberError(
-            f"random-weight shape {shape!r} is unknown; expected one of {', '.join(RANDOM_SHAPES)}"
-        )
-    cfg = config_from_hf(RANDOM_SHAPES[shape])
+    cfg = random_config(shape)
     with torch.device("meta"):
         model = Decoder(cfg).to(dtype)  # sizes only: nothing is allocated yet, and never in float32 first
     spec, targets, need = None, set(), None
@@ -215,13 +221,20 @@ def _median(values: list[float]) -> float:
     return s[len(s) // 2]
 
 
+def _median_run(runs: list[dict], rate: str) -> dict:
+    """The run whose `rate` is the median; of an even count, the slower of the two middle runs (a figure
+    never flatters)."""
+    return sorted(runs, key=lambda r: r[rate])[(len(runs) - 1) // 2]
+
+
 @dataclass
 class BenchResult:
     model: str
     device: str
     dtype: str
-    quantize: str | None
-    compile: bool
+    quantize: str | None  # the resolved scheme ("int4-g128" for "int4")
+    compile: bool  # the decode step
+    compile_prefill: bool
     threads: int
     prompt_tokens: int
     new_tokens: int
@@ -229,9 +242,10 @@ class BenchResult:
     weight_bytes_per_step: int
     prefill_tokens_per_s: float
     time_to_first_token_s: float
-    decode_tokens_per_s: float
+    # None when no decode step ran: with new_tokens=1 the only token comes from the prefill.
+    decode_tokens_per_s: float | None
     total_tokens_per_s: float  # new tokens over the whole call (prefill included), as peers often report
-    decode_bandwidth_gb_s: float
+    decode_bandwidth_gb_s: float | None
     device_bandwidth_gb_s: float | None
     decode_bandwidth_pct: float | None
     peak_memory_mb: float
@@ -269,15 +283,22 @@ def run_bench(
 ) -> BenchResult:
     """Generates `new_tokens` greedily after a random `prompt_tokens` prompt, `warmup` + `repeats` times.
 
-    Reports the median of the timed repeats. EOS is ignored so every run decodes exactly `new_tokens`. The
-    prompt and the new tokens must fit in the model's context (capped by `max_seq_len`).
+    Reports, for each phase, the timed run with the median time (see `_median_run`). EOS is ignored so every
+    run generates exactly `new_tokens`; the first comes from the prefill, so new_tokens=1 times no decode step
+    and reports None for decode. The prompt and the new tokens must fit in the model's context (capped by
+    `max_seq_len`). `quantize` names the scheme the model was quantized with (reported resolved: "int4"
+    as "int4-g128").
     """
     if min(prompt_tokens, new_tokens, repeats) < 1 or warmup < 0:
         raise InvalidParameterError(
             f"prompt_tokens={prompt_tokens}, new_tokens={new_tokens}, repeats={repeats}, warmup={warmup}: "
             "expected at least 1 of each (warmup at least 0)"
         )
-    check_fits(prompt_tokens, new_tokens, bench_context(model, max_seq_len))
+    if quantize is not None:
+        from ember.quant import QuantSpec
+
+        quantize = QuantSpec.parse(quantize).name
+    check_fits(prompt_tokens, new_tokens, bench_context(model.config, max_seq_len))
     context = prompt_tokens + new_tokens
     gen = Generator(model, device=device, context=context, compile=compile, compile_prefill=compile_prefill)
     g = torch.Generator().manual_seed(seed)
@@ -299,14 +320,18 @@ def run_bench(
                 dict(
                     prefill_tokens_per_s=t.prefill_tokens_per_s,
                     time_to_first_token_s=t.first_token_s,
-                    decode_tokens_per_s=t.decode_tokens_per_s,
+                    decode_tokens_per_s=t.decode_tokens_per_s if t.decode_steps else None,
                     total_tokens_per_s=new_tokens / total,
                 )
             )
-    med = {k: _median([r[k] for r in runs]) for k in runs[0]}
+    # Every figure of a phase comes from one run, the phase's median: a median taken per figure would pair,
+    # with an even count of runs, one run's time to first token with another's prefill rate.
+    prefill = _median_run(runs, "prefill_tokens_per_s")
+    decode = _median_run(runs, "decode_tokens_per_s")["decode_tokens_per_s"] if new_tokens > 1 else None
+    total = _median_run(runs, "total_tokens_per_s")["total_tokens_per_s"]
     wbytes = weight_bytes_per_step(model)
-    achieved = wbytes * med["decode_tokens_per_s"] / 1e9
-    prefill_achieved = wbytes * med["prefill_tokens_per_s"] / prompt_tokens / 1e9  # one pass per prompt
+    achieved = wbytes * decode / 1e9 if decode is not None else None
+    prefill_achieved = wbytes * prefill["prefill_tokens_per_s"] / prompt_tokens / 1e9  # one pass per prompt
     limit = copy_bandwidth(device) / 1e9 if measure_device else None
     peak = peak_memory_mb(device)
     del gen
@@ -317,18 +342,19 @@ def run_bench(
         dtype=str(_activation_dtype(model)).removeprefix("torch."),
         quantize=quantize,
         compile=compile,
+        compile_prefill=compile_prefill,
         threads=torch.get_num_threads(),
         prompt_tokens=prompt_tokens,
         new_tokens=new_tokens,
         repeats=repeats,
         weight_bytes_per_step=wbytes,
-        prefill_tokens_per_s=round(med["prefill_tokens_per_s"], 2),
-        time_to_first_token_s=round(med["time_to_first_token_s"], 5),
-        decode_tokens_per_s=round(med["decode_tokens_per_s"], 2),
-        total_tokens_per_s=round(med["total_tokens_per_s"], 2),
-        decode_bandwidth_gb_s=round(achieved, 2),
+        prefill_tokens_per_s=round(prefill["prefill_tokens_per_s"], 2),
+        time_to_first_token_s=round(prefill["time_to_first_token_s"], 5),
+        decode_tokens_per_s=round(decode, 2) if decode is not None else None,
+        total_tokens_per_s=round(total, 2),
+        decode_bandwidth_gb_s=round(achieved, 2) if achieved is not None else None,
         device_bandwidth_gb_s=round(limit, 1) if limit else None,
-        decode_bandwidth_pct=round(100 * achieved / limit, 1) if limit else None,
+        decode_bandwidth_pct=round(100 * achieved / limit, 1) if limit and achieved is not None else None,
         peak_memory_mb=round(peak, 1),
         prefill_bandwidth_gb_s=round(prefill_achieved, 2),
         prefill_bandwidth_pct=round(100 * prefill_achieved / limit, 1) if limit else None,
@@ -336,9 +362,9 @@ def run_bench(
     )
 
 
-def bench_context(model: Decoder, max_seq_len: int | None = None) -> int:
+def bench_context(config: ModelConfig, max_seq_len: int | None = None) -> int:
     """The most tokens (prompt and new) a bench run may use: the model's context, capped by max_seq_len."""
-    limit = model.config.max_position_embeddings
+    limit = config.max_position_embeddings
     return min(limit, max_seq_len) if max_seq_len is not None else limit
 
 

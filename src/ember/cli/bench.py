@@ -14,7 +14,7 @@ import logging
 import torch
 
 from ember.cli.common import add_model_options, integer, model_name
-from ember.errors import ContextLengthError
+from ember.errors import ContextLengthError, EmberError
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +29,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="SHAPE",
         choices=sorted(RANDOM_SHAPES),
-        help=f"random weights of a real model's shape instead of a checkpoint: {', '.join(RANDOM_SHAPES)}",
+        help=f"random weights of a real model's shape instead of a checkpoint (no MODEL): "
+        f"{', '.join(RANDOM_SHAPES)}",
     )
     p.add_argument("--prompt-tokens", type=integer(1), default=128, help="prompt length (default: 128)")
     p.add_argument(
         "--new-tokens", type=integer(1), default=256, help="tokens to generate per run (default: 256)"
     )
     p.add_argument(
-        "--repeats", type=integer(1), default=3, help="timed runs; the median is reported (default: 3)"
+        "--repeats",
+        type=integer(1),
+        default=3,
+        help="timed runs; of each phase, the median run is reported (default: 3)",
     )
     p.add_argument(
         "--warmup", type=integer(0), default=1, help="untimed runs first (compilation happens here)"
@@ -46,18 +50,40 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
+def check_context(args: argparse.Namespace, limit: int) -> None:
+    """A ContextLengthError naming the counts when the prompt and the new tokens do not fit in `limit`."""
+    if args.prompt_tokens + args.new_tokens > limit:
+        source = "set by --max-seq-len" if limit == args.max_seq_len else "the model's maximum"
+        raise ContextLengthError(
+            f"--prompt-tokens {args.prompt_tokens} + --new-tokens {args.new_tokens} = "
+            f"{args.prompt_tokens + args.new_tokens} tokens do not fit the context of {limit} ({source})"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
-    from ember.bench import bench_context, random_model, run_bench
+    from ember.bench import bench_context, random_config, random_model, run_bench
     from ember.loading.checkpoint import pick_device, pick_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.random_weights:
-        if args.quantize:  # a bad scheme is refused before a model of real size is built
-            from ember.quant import QuantSpec, not_gguf
+    # Refused before a model is built or loaded (for random weights, one of real size can take minutes).
+    spec = None
+    if args.quantize is not None:  # "" too: an empty scheme is not "none"
+        from ember.quant import QuantSpec
 
-            if QuantSpec.parse(args.quantize).scheme == "gguf":
-                raise not_gguf("random weights have none")
+        spec = QuantSpec.parse(args.quantize)
+    if args.random_weights:
+        given = args.model_option or args.model
+        if given:
+            raise EmberError(
+                f"--random-weights {args.random_weights} benchmarks random weights, not a checkpoint; "
+                f"drop the model {given!r} or --random-weights"
+            )
+        if spec is not None and spec.scheme == "gguf":
+            from ember.quant import not_gguf
+
+            raise not_gguf("random weights have none")
+        check_context(args, bench_context(random_config(args.random_weights), args.max_seq_len))
         device = pick_device(args.device)
         dtype = pick_dtype(args.dtype, device)
         model = random_model(args.random_weights, device=device, dtype=dtype, quantize=args.quantize)
@@ -75,13 +101,7 @@ def run(args: argparse.Namespace) -> int:
             quant_cache=args.quant_cache,
         )
         model, device, name = loaded.model, loaded.device, loaded.name
-    limit = bench_context(model, args.max_seq_len)
-    if args.prompt_tokens + args.new_tokens > limit:
-        source = "set by --max-seq-len" if limit == args.max_seq_len else "the model's maximum"
-        raise ContextLengthError(
-            f"--prompt-tokens {args.prompt_tokens} + --new-tokens {args.new_tokens} = "
-            f"{args.prompt_tokens + args.new_tokens} tokens do not fit the context of {limit} ({source})"
-        )
+        check_context(args, bench_context(model.config, args.max_seq_len))
     result = run_bench(
         model,
         name=name,
@@ -103,14 +123,18 @@ def run(args: argparse.Namespace) -> int:
     def share(pct: float | None) -> str:
         return f" ({pct:.0f}% of {r.device_bandwidth_gb_s:.0f} GB/s copy)" if pct is not None else ""
 
+    if r.decode_tokens_per_s is None:  # --new-tokens 1: the one token comes from the prefill
+        decode = f"{'n/a':>9}          (no decode step: --new-tokens 1)"
+    else:
+        decode = f"{r.decode_tokens_per_s:9.1f} tok/s   {r.decode_bandwidth_gb_s:.1f} GB/s{share(r.decode_bandwidth_pct)}"
     lines = [
-        f"model     {r.model} ({r.dtype}, quantize={r.quantize or 'none'}, compile={r.compile}) on {r.device}, "
-        f"{r.threads} threads",
+        f"model     {r.model} ({r.dtype}, quantize={r.quantize or 'none'}, compile={r.compile}, "
+        f"compile_prefill={r.compile_prefill}) on {r.device}, {r.threads} threads",
         f"weights   {r.weight_bytes_per_step / 1e6:.1f} MB read per decode step",
         f"prefill   {r.prefill_tokens_per_s:9.1f} tok/s   {r.prefill_bandwidth_gb_s:.1f} GB/s"
         f"{share(r.prefill_bandwidth_pct)}, time to first token {r.time_to_first_token_s * 1e3:.1f} ms "
         f"({r.prompt_tokens} prompt tokens)",
-        f"decode    {r.decode_tokens_per_s:9.1f} tok/s   {r.decode_bandwidth_gb_s:.1f} GB/s{share(r.decode_bandwidth_pct)}",
+        f"decode    {decode}",
         f"overall   {r.total_tokens_per_s:9.1f} tok/s   ({r.new_tokens} new tokens, prefill included)",
         f"memory    {r.peak_memory_mb:9.1f} MB peak",
     ]

@@ -27,6 +27,15 @@ def integer(minimum: int, maximum: int | None = None):
     return parse
 
 
+def scheme(text: str) -> str:
+    """An argparse type: a quantization scheme (an empty one too is a usage error, not "none")."""
+    from ember.quant import SCHEMES
+
+    if text not in SCHEMES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a scheme; expected one of {', '.join(SCHEMES)}")
+    return text
+
+
 def number(minimum: float, *, inclusive: bool):
     """An argparse type: a finite float above `minimum` (or equal to it, if inclusive), else a usage error."""
 
@@ -73,6 +82,7 @@ def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = Fal
     )
     parser.add_argument(
         "--quantize",
+        type=scheme,
         default=None,
         metavar="SCHEME",
         help="quantize weights after loading: int8, int4 (group 128), int4-g32/g64/g256, int8-dyn (CPU), "
