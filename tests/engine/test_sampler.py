@@ -89,3 +89,15 @@ def test_invalid_params_name_the_value(kw, match):
         SamplingParams(**kw)
     with pytest.raises(InvalidParameterError, match="outside the vocabulary"):
         SamplingTensors.build([SamplingParams(logit_bias={99: 1.0})], 4, "cpu")
+
+
+def test_seeds_that_differ_past_32_bits_draw_different_numbers():
+    from ember.engine.sampler import make_generator
+
+    def draws(seed: int) -> list[float]:
+        return torch.rand(4, generator=make_generator(seed, "cpu")).tolist()
+
+    # torch's CPU generator keeps the low 32 bits: these pairs drew the same numbers
+    for a, b in ((-1, 2**63 - 1), (0, -(2**63)), (0, 2**32), (7, 2**32 + 7)):
+        assert draws(a) != draws(b)
+    assert draws(12345) == draws(12345) and draws(-5) == draws(-5)

@@ -180,10 +180,21 @@ def sample(
     return torch.where(st.temperature == 0, greedy_tokens, sampled)
 
 
+def _seed32(seed: int) -> int:
+    """A seed for torch's CPU generator, which keeps only the low 32 bits (-1 and 2**63 - 1, or 0 and 2**32, drew
+    the same numbers): seeds in [0, 2**32) as they are, any other through a 64-bit mix (splitmix64)."""
+    if 0 <= seed < 1 << 32:
+        return seed
+    z = (seed + 0x9E3779B97F4A7C15) % (1 << 64)
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % (1 << 64)
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % (1 << 64)
+    return (z ^ (z >> 31)) & 0xFFFFFFFF
+
+
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
     gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()
     else:
-        gen.manual_seed(seed)
+        gen.manual_seed(_seed32(seed) if gen.device.type == "cpu" else seed)
     return gen
