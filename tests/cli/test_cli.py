@@ -158,6 +158,12 @@ def test_prompt_longer_than_the_context(capsys, tiny_llama_dir):
     assert_one_line_error(code, err, "prompt has", "tokens but the context holds 32")
 
 
+def test_answer_longer_than_the_context_names_the_flag(capsys, tiny_llama_dir):
+    args = ["generate", "word " * 5, "--model", str(tiny_llama_dir), "--no-chat", "--max-seq-len", "32"]
+    code, _, err = run_cli(capsys, *args, "--max-new-tokens", "40")
+    assert_one_line_error(code, err, "--max-new-tokens 40", "the context holds 32")
+
+
 def test_pickle_checkpoints_are_refused_unless_allowed(capsys, tmp_path, smollm2_tokenizer_dir):
     from safetensors.torch import load_file
 

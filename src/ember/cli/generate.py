@@ -9,6 +9,7 @@ import sys
 import time
 
 from ember.cli.common import add_model_options, add_sampling_options, load_llm, sampling_params
+from ember.engine.generate import check_fits
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         prompt_ids = llm.encode_chat(messages)
     else:
         prompt_ids = llm.encode_prompt(prompt)
+    check_fits(len(prompt_ids), params.max_tokens, llm.context, name="--max-new-tokens ")
 
     start = time.perf_counter()
     text, ids, finish = "", [], None

@@ -86,9 +86,11 @@ class Timings:
         return self.decode_steps / self.decode_s if self.decode_s else 0.0
 
 
-def check_fits(prompt_tokens: int, max_tokens: int | None, context: int) -> int:
+def check_fits(
+    prompt_tokens: int, max_tokens: int | None, context: int, *, name: str = "max_tokens="
+) -> int:
     """Returns how many tokens may be generated; raises ContextLengthError naming the counts when none fit
-    (InvalidParameterError for an empty prompt)."""
+    (InvalidParameterError for an empty prompt). `name` spells max_tokens as the caller's user knows it."""
     if prompt_tokens == 0:
         raise InvalidParameterError("the prompt is empty; at least one token is needed")
     if prompt_tokens >= context:
@@ -97,7 +99,7 @@ def check_fits(prompt_tokens: int, max_tokens: int | None, context: int) -> int:
         return context - prompt_tokens
     if prompt_tokens + max_tokens > context:
         raise ContextLengthError(
-            f"prompt has {prompt_tokens} tokens and max_tokens={max_tokens}, "
+            f"prompt has {prompt_tokens} tokens and {name}{max_tokens}, "
             f"but the context holds {context} ({context - prompt_tokens} tokens left)"
         )
     return max_tokens
