@@ -86,9 +86,7 @@ class Timings:
         return self.decode_steps / self.decode_s if self.decode_s else 0.0
 
 
-def check_fits(
-    prompt_tokens: int, max_tokens: int | None, context: int, *, name: str = "max_tokens="
-) -> int:
+def check_fits(prompt_tokens: int, max_tokens: int | None, context: int, *, name: str = "max_tokens=") -> int:
     """Returns how many tokens may be generated; raises ContextLengthError naming the counts when none fit
     (InvalidParameterError for an empty prompt). `name` spells max_tokens as the caller's user knows it."""
     if prompt_tokens == 0:
