@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
 
 import httpx2
 import pytest
@@ -85,6 +87,11 @@ CASES = [
     ("completion logprobs too big", COMPLETIONS, completion(logprobs=6), AUTH, 400, "logprobs"),
     ("logit_bias bad key", CHAT, chat(logit_bias={"abc": 1}), AUTH, 400, "logit_bias"),
     ("logit_bias out of vocab", CHAT, chat(logit_bias={"99999999": 1}), AUTH, 400, "logit_bias"),
+    # str.isdigit() takes these, int() refuses the first two and reads the third as 1.
+    ("logit_bias superscript key", CHAT, chat(logit_bias={"\u00b2": 1}), AUTH, 400, "logit_bias"),
+    ("logit_bias 5000-digit key", CHAT, chat(logit_bias={"1" * 5000: 1}), AUTH, 400, "logit_bias"),
+    ("logit_bias Arabic-Indic key", CHAT, chat(logit_bias={"\u0661": 1}), AUTH, 400, "logit_bias"),
+    ("logit_bias spaced key", COMPLETIONS, completion(logit_bias={" 1": 1}), AUTH, 400, "logit_bias"),
     ("logit_bias value", CHAT, chat(logit_bias={"5": 500}), AUTH, 400, "logit_bias.5"),
     (
         "stream_options without stream",
@@ -105,6 +112,51 @@ CASES = [
         AUTH,
         400,
         "prompt",
+    ),
+    # A lone UTF-16 surrogate is valid JSON ("\ud800") but not Unicode text.
+    ("lone surrogate prompt", COMPLETIONS, completion(prompt="\ud800 hi"), AUTH, 400, "prompt"),
+    ("lone surrogate in prompts", COMPLETIONS, completion(prompt=["a", "\udfff"]), AUTH, 400, "prompt.1"),
+    (
+        "lone surrogate content",
+        CHAT,
+        chat(messages=[{"role": "user", "content": "\udfff"}]),
+        AUTH,
+        400,
+        "messages.0.content",
+    ),
+    (
+        "lone surrogate content part",
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "text", "text": "x\ud800"}]}]),
+        AUTH,
+        400,
+        "messages.0.content.0.text",
+    ),
+    ("lone surrogate model", CHAT, chat(model="\ud800"), AUTH, 400, "model"),
+    ("deeply nested json", CHAT, "[" * 100_000 + "]" * 100_000, AUTH, 400, None),
+    (
+        "assistant tool_calls",
+        CHAT,
+        chat(messages=[*MSG, {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]}, *MSG]),
+        AUTH,
+        400,
+        "messages.1.tool_calls",
+    ),
+    (
+        "assistant refusal",
+        CHAT,
+        chat(messages=[*MSG, {"role": "assistant", "content": "x", "refusal": "no"}, *MSG]),
+        AUTH,
+        400,
+        "messages.1.refusal",
+    ),
+    (
+        "user content null",
+        CHAT,
+        chat(messages=[{"role": "user", "content": None}]),
+        AUTH,
+        400,
+        "messages.0.content",
     ),
     ("wrong model", CHAT, chat(model="gpt-4o"), AUTH, 404, "model"),
     ("no api key", CHAT, chat(), {}, 401, None),
@@ -156,6 +208,34 @@ def test_wrong_method_and_auth_free_health(http):
     assert http.get("/v1/models").status_code == 401
 
 
+def test_explicit_null_is_the_default(http):
+    """OpenAI's API takes null for every optional parameter, also where the default is not null."""
+    nulls = dict.fromkeys(
+        [
+            "frequency_penalty",
+            "logit_bias",
+            "n",
+            "presence_penalty",
+            "seed",
+            "stop",
+            "stream",
+            "stream_options",
+        ]
+        + ["temperature", "top_p", "user", "top_k", "min_p", "repetition_penalty", "ignore_eos"]
+    )
+    r = http.post(
+        CHAT, json=chat(**nulls, logprobs=None, top_logprobs=None, max_completion_tokens=None), headers=AUTH
+    )
+    assert r.status_code == 200, r.text
+    (choice,) = r.json()["choices"]
+    assert choice["logprobs"] is None and choice["finish_reason"] == "length"
+    r = http.post(COMPLETIONS, json=completion(**nulls, logprobs=None), headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1
+    r = http.post(CHAT, json=chat(stream=True, stream_options={"include_usage": None}), headers=AUTH)
+    assert r.status_code == 200 and '"usage"' not in r.text and r.text.endswith("data: [DONE]\n\n")
+
+
 def test_no_op_values_of_unsupported_params_pass(http):
     r = http.post(
         CHAT,
@@ -204,20 +284,96 @@ def test_no_chat_template_is_400(tmp_path, tiny_llama_dir):
         server.stop()
 
 
-def test_queue_full_is_429_with_retry_after(tiny_llama_dir):
+@pytest.fixture
+def queue_server(tiny_llama_dir):
+    """A server running one sequence at a time with room for 4 waiting: its queue is easy to fill."""
+    from ember.engine.core import EngineConfig
+    from ember.llm import LLM
+
+    # Its own engine (one engine thread per core).
+    llm = LLM(
+        tiny_llama_dir, device="cpu", engine_config=EngineConfig(kv_cache_memory=16 << 20, max_num_seqs=1)
+    )
+    server = LiveServer(create_app(llm, model_name=MODEL, limits=ServerLimits(max_waiting=4)))
+    yield server
+    server.stop()
+
+
+def test_queue_full_is_429_and_too_many_jobs_is_400(queue_server):
+    long = completion(max_tokens=400, ignore_eos=True, stream=True)
+    with httpx2.Client(base_url=queue_server.url, timeout=30) as c:
+        with c.stream("POST", COMPLETIONS, json=long) as running:
+            assert next(running.iter_lines()).startswith("data: {")  # it runs: the one sequence is taken
+            with c.stream("POST", COMPLETIONS, json={**long, "n": 4}) as waiting:
+                assert waiting.status_code == 200  # its 4 jobs fill the queue
+                r = c.post(CHAT, json=chat())
+                assert r.status_code == 429 and r.headers["Retry-After"] == "1", r.text
+                assert r.json()["error"]["code"] == "queue_full"
+        # More jobs than the queue ever holds: retrying cannot help, so it is no 429.
+        for body, param in [(chat(n=5), "n"), (completion(prompt=["a", "b", "c"], n=2), "prompt")]:
+            r = c.post(CHAT if "messages" in body else COMPLETIONS, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert "at most 4" in r.json()["error"]["message"]
+        assert c.post(CHAT, json=chat(n=4)).status_code == 200
+
+
+def test_requests_arriving_together_are_refused_before_their_200(queue_server):
+    """Jobs are queued some event-loop turns after admission: requests arriving in between must count them,
+    or each passes the check and the late ones fail inside a stream that has already answered 200."""
+
+    async def one(c: httpx2.AsyncClient, i: int) -> tuple[int, str]:
+        body = completion(prompt=f"Number {i}", n=4, max_tokens=2, stream=True)
+        async with c.stream("POST", COMPLETIONS, json=body) as r:
+            return r.status_code, (await r.aread()).decode()
+
+    async def main() -> list[tuple[int, str]]:
+        limits = httpx2.Limits(max_connections=32)
+        async with httpx2.AsyncClient(base_url=queue_server.url, timeout=60, limits=limits) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(24)))
+
+    results = asyncio.run(main())
+    statuses = sorted(status for status, _ in results)
+    assert 200 in statuses and 429 in statuses and set(statuses) == {200, 429}, statuses
+    for status, text in results:
+        if status == 200:
+            assert '"error"' not in text and text.endswith("data: [DONE]\n\n"), text
+    stats = queue_server.state.engine.stats()
+    assert stats.waiting == 0 and not queue_server.state.admitted  # nothing left counted as admitted
+
+
+def test_internal_error_is_openai_500_and_keeps_the_connection(tiny_llama_dir):
+    """An unexpected exception is answered in OpenAI's error body, counted, and the keep-alive connection
+    serves the next request (Starlette's own handler re-raises, which makes uvicorn close it)."""
     from ember.llm import LLM
 
     from .conftest import ENGINE
 
-    llm = LLM(
-        tiny_llama_dir, device="cpu", engine_config=ENGINE
-    )  # its own engine: one engine thread per core
-    server = LiveServer(create_app(llm, model_name=MODEL, limits=ServerLimits(max_waiting=2)))
+    app = create_app(LLM(tiny_llama_dir, device="cpu", engine_config=ENGINE), model_name=MODEL)
+
+    async def broken() -> None:
+        raise RuntimeError("a bug")
+
+    app.router.add_api_route("/broken", broken)  # a route with a bug: the app must contain it
+    server = LiveServer(app)
     try:
-        with httpx2.Client(base_url=server.url) as c:
-            r = c.post(CHAT, json=chat(n=3))
-            assert r.status_code == 429 and r.headers["Retry-After"] == "1"
-            assert r.json()["error"]["code"] == "queue_full"
-            assert c.post(CHAT, json=chat(n=2)).status_code == 200
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            reader = sock.makefile("rb")
+            for path, status in [("/broken", 500), ("/health", 200), ("/broken", 500)]:
+                sock.sendall(f"GET {path} HTTP/1.1\r\nHost: test\r\n\r\n".encode())
+                assert reader.readline().split()[1] == str(status).encode(), path
+                headers = {}
+                while (line := reader.readline()) not in (b"\r\n", b""):
+                    name, _, value = line.decode().partition(":")
+                    headers[name.lower()] = value.strip()
+                assert headers.get("connection") != "close"
+                body = json.loads(reader.read(int(headers["content-length"])))
+                if status == 500:
+                    assert body["error"] == {
+                        "message": "internal server error (RuntimeError)",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "internal_error",
+                    }
+        assert server.state.metrics.http_requests.labels("other", "500")._value.get() == 2
     finally:
         server.stop()

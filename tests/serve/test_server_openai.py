@@ -168,3 +168,99 @@ def test_logit_bias_forces_a_token(client, reference_llm):
         model=MODEL, prompt="Hi", max_tokens=3, temperature=0, logit_bias={str(token): 100}
     )
     assert r.choices[0].text == reference_llm.tokenizer.decode([token] * 3)
+
+
+def test_multi_turn_sends_the_assistant_message_back(client):
+    """The SDK's own assistant message carries refusal/annotations/audio/tool_calls as nulls; OpenAI takes
+    them back as they are, and an assistant turn with content null is an empty turn."""
+    first = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0)
+    message = first.choices[0].message
+    assert "refusal" in message.model_dump()
+    for previous in (message, message.model_dump(), {"role": "assistant", "content": None}):
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=[*MESSAGES, previous, {"role": "user", "content": "And two more?"}],
+            max_tokens=4,
+            temperature=0,
+        )
+        assert r.choices[0].finish_reason == "length"
+
+
+def test_logprobs_of_tokens_holding_part_of_a_character(client, reference_llm, tiny_server):
+    # 0xF0 (GPT-2's byte-level "ð") starts a 4-byte character (an emoji): alone it decodes to U+FFFD.
+    token = reference_llm.tokenizer.backend.token_to_id("ð")
+    bias = {str(token): 100}
+    r = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=3, temperature=0, logprobs=True, logit_bias=bias
+    )
+    content = r.choices[0].logprobs.content
+    assert [(e.token, e.bytes) for e in content] == [("bytes:\\xf0", [0xF0])] * 3
+    raw = b"".join(bytes(e.bytes) for e in content)
+    assert raw.decode("utf-8", errors="replace") == r.choices[0].message.content
+
+    c = client.completions.create(
+        model=MODEL, prompt="Hi", max_tokens=3, temperature=0, logprobs=1, logit_bias=bias
+    )
+    lp = c.choices[0].logprobs
+    assert lp.tokens == ["bytes:\\xf0"] * 3
+    # Three 0xF0 bytes make three broken characters; the second byte is where the first one is seen to break.
+    assert c.choices[0].text == "\ufffd" * 3 and lp.text_offset == [0, 0, 1]
+
+    # No two such tokens share a name in top_logprobs (which is keyed by it in /v1/completions), and each has
+    # its own bytes: those its vocabulary entry stands for.
+    vocab = reference_llm.tokenizer.backend.get_vocab()
+    partial = {i for i in vocab.values() if "\ufffd" in reference_llm.tokenizer.decode([i])}
+    pieces = [tiny_server.state.token_piece(i) for i in partial]
+    assert len(partial) > 200
+    assert len({p.token for p in pieces}) == len({p.raw for p in pieces}) == len(partial)
+    assert tiny_server.state.token_piece(vocab["ðŁ"]).raw == "😀".encode()[:2]
+
+
+def _tokens(reference_llm, prompt: str) -> list[str]:
+    out = reference_llm.generate(prompt, SamplingParams(max_tokens=16, temperature=0))[0]
+    return [reference_llm.tokenizer.decode([i]) for i in out.token_ids]
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["at a token", "inside a token"])
+def test_completion_logprobs_end_with_the_text_at_a_stop_string(client, reference_llm, inside):
+    prompt = "The capital of France is"
+    tokens = _tokens(reference_llm, prompt)
+    # The tiny model repeats a token, then turns to another: stop at the turn, or a character before it.
+    j = next(j for j, t in enumerate(tokens) if t != tokens[0])
+    stop = tokens[j - 1][-1:] + tokens[j] if inside else tokens[0] + tokens[j]
+    text = "".join(tokens)[: "".join(tokens).find(stop)]
+    kept = tokens[: j if inside else j - 1]  # the tokens that make up the text: the stop's first one at most
+    assert len(text) == len("".join(kept)) - inside  # inside: the last kept token ends in the stop string
+    kw = {"model": MODEL, "prompt": prompt, "max_tokens": 16, "temperature": 0, "stop": stop, "logprobs": 1}
+    r = client.completions.create(**kw)
+    choice = r.choices[0]
+    assert choice.text == text and choice.finish_reason == "stop"
+    lp = choice.logprobs
+    assert lp.tokens == kept and len(lp.token_logprobs) == len(lp.top_logprobs) == len(kept)
+    assert lp.text_offset == [len("".join(kept[:i])) for i in range(len(kept))]
+    assert all(o < len(text) for o in lp.text_offset)
+
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True)]
+    assert "".join(c.text for c in chunks) == text
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == kept
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == lp.text_offset
+    # A chunk carries the tokens its text holds (text held back as a possible stop brings its own later).
+    assert all(c.text for c in chunks if c.logprobs and c.logprobs.tokens)
+
+
+def test_chat_logprobs_end_with_the_text_at_a_stop_string(client, reference_llm):
+    token = reference_llm.tokenizer.encode(" banana", add_special_tokens=False)[0]
+    word = reference_llm.tokenizer.decode([token])
+    stop = word[-1] + word[0]  # spans the first two tokens: "a " of " banana banana"
+    assert len(word) >= 3 and (word * 2).find(stop) == len(word) - 1
+    kw = {"model": MODEL, "messages": MESSAGES, "max_tokens": 8, "temperature": 0, "logprobs": True}
+    kw |= {"logit_bias": {str(token): 100}, "stop": stop}
+    r = client.chat.completions.create(**kw).choices[0]
+    assert r.message.content == word[:-1] and r.finish_reason == "stop"
+    # The second token completed the stop string but holds none of the text: it is not reported.
+    assert [e.token for e in r.logprobs.content] == [word]
+    stream = client.chat.completions.create(**kw, stream=True)
+    streamed = [
+        e.token for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+    ]
+    assert streamed == [word]

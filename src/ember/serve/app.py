@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ember.engine.async_engine import AsyncEngine
@@ -60,6 +61,40 @@ class _CountResponses:
             await send(message)
 
         await self.app(scope, receive, counting_send)
+
+
+class _InternalErrors:
+    """Answers an unexpected exception with OpenAI's 500 body (pure ASGI, so streams are not buffered).
+
+    Starlette's handler for `Exception` re-raises after answering, so uvicorn logs the error a second time and
+    closes the keep-alive connection; here the exception ends with the answer. One raised after the response
+    has started can only end the connection.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except ClientDisconnect:
+            return  # nobody is left to answer
+        except Exception as e:
+            if started:
+                raise
+            log.exception("unhandled error on %s %s", scope["method"], scope["path"])
+            error = APIError(500, f"internal server error ({type(e).__name__})", code="internal_error")
+            await error.response()(scope, receive, send)
 
 
 def create_app(
@@ -132,11 +167,6 @@ def create_app(
             message = f"{request.method} {request.url.path}: {e.detail}"
         return APIError(e.status_code, message, headers=e.headers).response()
 
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return APIError(500, f"internal server error ({type(e).__name__})", code="internal_error").response()
-
     if static_dir is not None and (static_dir / "index.html").is_file():
         index = static_dir / "index.html"
 
@@ -146,7 +176,8 @@ def create_app(
 
         app.mount("/static", StaticFiles(directory=static_dir), name="static")
 
-    app.add_middleware(_CountResponses, metrics=metrics)
+    app.add_middleware(_InternalErrors)
+    app.add_middleware(_CountResponses, metrics=metrics)  # outermost: counts the 500s too
     return app
 
 

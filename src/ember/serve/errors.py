@@ -69,9 +69,16 @@ def from_validation_error(e: ValidationError) -> APIError:
     head = _path(errors[0]["loc"])
     err = max((x for x in errors if _path(x["loc"])[: len(head)] == head), key=lambda x: len(_path(x["loc"])))
     cause = (err.get("ctx") or {}).get("error")
-    if isinstance(cause, UnsupportedParameterError):
-        return APIError(400, str(cause), param=cause.param, code="unsupported_parameter")
     path = _path(err["loc"])
+    if isinstance(cause, UnsupportedParameterError):
+        # Raised by the model that holds the field: `messages.1` + `tool_calls`.
+        param = ".".join([*path, cause.param])
+        return APIError(
+            400,
+            f"{param} is not supported by Ember; leave it unset",
+            param=param,
+            code="unsupported_parameter",
+        )
     param = ".".join(path) or None
     if err["type"] == "extra_forbidden":
         return APIError(

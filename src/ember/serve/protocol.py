@@ -3,8 +3,11 @@
 Requests are strict: `extra="forbid"` turns a parameter we do not know into a 400 that names it, and the
 parameters OpenAI has but Ember does not implement (tools, response_format, audio, ...) are listed in
 `UNSUPPORTED` and refused by name unless they carry their no-op value (null, `[]`, `false`, ...), which some
-clients always send. Ember's own sampling extensions (top_k, min_p, repetition_penalty) sit in a fenced block
-at the end of each request model. Ranges follow OpenAI's documentation; the engine checks them again.
+clients always send; so are the message fields in `MESSAGE_UNSUPPORTED` (the SDK sends its assistant message
+back with `"refusal": null, "tool_calls": null, ...`). An explicit null is the default, as in OpenAI's API,
+also where the default is not null (`"n": null` is n=1). Ember's own sampling extensions (top_k, min_p,
+repetition_penalty) sit in a fenced block at the end of each request model. Ranges follow OpenAI's
+documentation; the engine checks them again.
 
 Responses are dumped with every field, nulls included, because OpenAI's bodies carry their nulls
 (`"logprobs": null`, `"finish_reason": null`) and some clients index them.
@@ -13,7 +16,8 @@ Responses are dumped with every field, nulls included, because OpenAI's bodies c
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from functools import lru_cache
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -42,6 +46,15 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""),
 }
 
+# Fields of a chat message that Ember does not implement, with their no-op values.
+MESSAGE_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "annotations": (None, []),
+    "audio": (None,),
+    "function_call": (None,),
+    "refusal": (None,),
+    "tool_calls": (None, []),
+}
+
 
 class UnsupportedParameterError(ValueError):
     """A known OpenAI parameter that Ember does not implement, with a value that would change the output."""
@@ -54,17 +67,33 @@ class UnsupportedParameterError(ValueError):
 class _Strict(BaseModel):
     # strict: "5" is not an integer and 1 is not a boolean, as in OpenAI's API.
     model_config = ConfigDict(extra="forbid", strict=True)
+    unsupported: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            for name, noops in UNSUPPORTED.items():
+            for name, noops in cls.unsupported.items():
                 if name in data and not any(data[name] == v for v in noops):
                     raise UnsupportedParameterError(name)
-            # A no-op value of an unsupported parameter is dropped, so extra="forbid" does not reject it.
-            data = {k: v for k, v in data.items() if k not in UNSUPPORTED}
+            # A no-op value of an unsupported parameter is dropped, so extra="forbid" does not reject it, and
+            # so is a null for an optional field whose type has no null: the field takes its default.
+            data = {
+                k: v
+                for k, v in data.items()
+                if k not in cls.unsupported and not (v is None and k in _null_is_default(cls))
+            }
         return data
+
+
+@lru_cache
+def _null_is_default(cls: type[BaseModel]) -> frozenset[str]:
+    """The optional fields of `cls` whose type does not take null (`n: int = 1`, not `seed: int | None`)."""
+    return frozenset(
+        name
+        for name, f in cls.model_fields.items()
+        if not f.is_required() and type(None) not in get_args(f.annotation)
+    )
 
 
 # The parameters both request models share, typed once; each model still lists its fields in OpenAI's order
@@ -95,9 +124,20 @@ class TextContentPart(_Strict):
 
 
 class ChatMessage(_Strict):
+    unsupported = MESSAGE_UNSUPPORTED
+
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextContentPart]
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_assistant_content(cls, data: Any) -> Any:
+        # OpenAI lets an assistant message leave out its content or send null (it then holds only tool calls,
+        # which Ember refuses anyway): it is an empty turn.
+        if isinstance(data, dict) and data.get("role") == "assistant" and data.get("content") is None:
+            data = {**data, "content": ""}
+        return data
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -106,6 +146,8 @@ class ChatMessage(_Strict):
 
 
 class ChatCompletionRequest(_Strict):
+    unsupported = UNSUPPORTED
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     model: str
     frequency_penalty: Penalty = 0.0
@@ -132,6 +174,8 @@ class ChatCompletionRequest(_Strict):
 
 
 class CompletionRequest(_Strict):
+    unsupported = UNSUPPORTED
+
     model: str
     # A string, a batch of strings, one tokenized prompt, or a batch of tokenized prompts.
     prompt: str | Annotated[list[str], Field(min_length=1)] | list[int] | list[list[int]]

@@ -13,9 +13,13 @@ parses, builds SamplingParams, starts a `Run`, and supplies only how its choices
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
+import re
 import time
 import uuid
+import weakref
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -89,18 +93,63 @@ class ServingState:
     eos_token_ids: frozenset[int]
     created: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGTERM: no new requests, running ones finish
+    # Admitted runs whose jobs may not be in the engine's queue yet (a run that is dropped leaves by itself).
+    admitted: weakref.WeakSet[Run] = field(default_factory=weakref.WeakSet)
 
     @property
     def vocab_size(self) -> int:
         return self.engine.core.loaded.config.vocab_size
 
-    def token_text(self, token_id: int) -> str:
-        return _token_text(self.tokenizer, token_id)
+    def token_piece(self, token_id: int) -> TokenPiece:
+        return _token_piece(self.tokenizer, token_id)
+
+
+@dataclass(frozen=True)
+class TokenPiece:
+    """One token as logprobs report it."""
+
+    # Its text; for part of a UTF-8 character, its bytes escaped as OpenAI writes them
+    # ("bytes:\\xf0\\x9f"), so that no two such tokens look alike (they all decode to U+FFFD).
+    token: str
+    raw: bytes  # its bytes, those of its vocabulary entry
+    text: bytes  # what it adds to the generated text: nothing for a special token
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the character that stands for each byte in a byte-level BPE vocabulary."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in bs]
+    return {**{b: chr(b) for b in bs}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+_BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
+def _raw_bytes(piece: str) -> bytes | None:
+    """The bytes a vocabulary entry stands for: a byte-fallback token's byte, or a byte-level BPE token's
+    bytes; None for any other vocabulary."""
+    if m := _BYTE_FALLBACK.fullmatch(piece):
+        return bytes([int(m[1], 16)])
+    if piece and all(c in _BYTE_DECODER for c in piece):
+        return bytes(_BYTE_DECODER[c] for c in piece)
+    return None
 
 
 @lru_cache(maxsize=1 << 16)
-def _token_text(tokenizer: Tokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+def _token_piece(tokenizer: Tokenizer, token_id: int) -> TokenPiece:
+    shown = tokenizer.decode([token_id], skip_special_tokens=False)
+    text = tokenizer.decode([token_id]).encode()  # b"" for a special token: the generated text leaves it out
+    # A token holding part of a character decodes to U+FFFD; its vocabulary entry still has its bytes.
+    raw = _raw_bytes(tokenizer.backend.id_to_token(token_id) or "") if "\ufffd" in shown else None
+    if raw is None:
+        return TokenPiece(shown, shown.encode(), text)
+    try:
+        raw.decode()
+    except UnicodeDecodeError:
+        escaped = "".join(chr(b) if 0x20 <= b < 0x7F and b != 0x5C else f"\\x{b:02x}" for b in raw)
+        return TokenPiece(f"bytes:{escaped}", raw, raw if text else b"")
+    return TokenPiece(shown, raw, text)
 
 
 @dataclass
@@ -123,7 +172,7 @@ class ChoiceResult:
     cached_tokens: int = 0
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: ServingState.admitted holds it
 class Run:
     """One response's engine requests, with what its body repeats: id, creation time, prompts (for usage)."""
 
@@ -134,6 +183,7 @@ class Run:
     jobs: list[Job]
     arrival: float  # time.monotonic() when the request came in, for the latency metrics
     created: int = field(default_factory=lambda: int(time.time()))
+    unqueued: int = 0  # admitted jobs not yet handed to the engine: the admission check counts them
 
     def body(self, cls: type[B], choices: list[Any], usage: Usage | None) -> B:
         """A response body, or one chunk of a stream, of this run."""
@@ -165,9 +215,41 @@ async def read_json(request: Request, limit: int) -> Any:
         if len(body) > limit:
             raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
     try:
-        return json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    # UTF-8 cannot hold a surrogate: only a "\\udXXX" escape can, so most bodies need no look.
+    if _SURROGATE_ESCAPE.search(body) and (param := _surrogate_path(data)) is not None:
+        raise APIError(
+            400,
+            f"{param or 'request body'}: a lone UTF-16 surrogate is not valid Unicode text",
+            param=param or None,
+            code="invalid_value",
+        )
+    return data
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _surrogate_path(data: Any) -> str | None:
+    """Where the first lone UTF-16 surrogate in `data` is ("messages.0.content"): JSON can write one
+    ("\\ud800"), but it is not Unicode text, and the tokenizer cannot take it."""
+    todo: list[tuple[list[str], Any]] = [([], data)]  # a loop, not recursion: the nesting can be deep
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str) and _SURROGATE.search(value):
+            return ".".join(path)
+        if isinstance(value, dict):
+            for k, v in reversed(value.items()):
+                # A key holding one is the culprit itself, named escaped ("\\ud800") for the error body.
+                name = k.encode("utf-8", "backslashreplace").decode()
+                todo.append(([*path, name], k if _SURROGATE.search(k) else v))
+        elif isinstance(value, list):
+            items = reversed(list(enumerate(value)))
+            todo.extend(([*path, str(i)], v) for i, v in items if isinstance(v, str | list | dict))
+    return None
 
 
 def parse(model: type[M], data: Any) -> M:
@@ -205,19 +287,40 @@ def _check_model(state: ServingState, model: str) -> None:
         )
 
 
-def _check_intake(state: ServingState, num_jobs: int) -> None:
+def _admit(state: ServingState, run: Run, *, param: str) -> None:
+    """Admits `run` or refuses it before anything runs: 503 while draining, 400 for more jobs than the queue
+    can ever hold, 429 while the queue is full.
+
+    Jobs are handed to the engine a few event-loop turns later (by `_run_jobs`), so the check counts, besides
+    the engine's queue, the jobs of runs admitted but not handed over yet; otherwise requests arriving
+    together would all pass and the late ones fail after their 200 has gone out.
+    """
     if state.draining:
         raise APIError(
             503, "the server is shutting down", code="server_shutting_down", headers={"Retry-After": "5"}
         )
-    waiting = state.engine.core.num_waiting()
-    if waiting + num_jobs > state.engine.max_waiting:
+    limit, num_jobs = state.engine.max_waiting, len(run.jobs)
+    if num_jobs > limit:
+        raise APIError(
+            400,
+            f"this request needs {num_jobs} engine requests ({len(run.prompts)} prompts x n={run.n}) but at "
+            f"most {limit} can be queued",
+            param=param,
+            code="invalid_value",
+        )
+    waiting = state.engine.core.num_waiting() + sum(r.unqueued for r in state.admitted)
+    if waiting + num_jobs > limit:
         raise APIError(
             429,
-            f"{waiting} requests are already queued (limit {state.engine.max_waiting}); retry later",
+            f"{waiting} requests are already queued (limit {limit}); retry later",
             code="queue_full",
             headers={"Retry-After": "1"},
         )
+    run.unqueued = num_jobs
+    state.admitted.add(run)
+
+
+_TOKEN_ID = re.compile(r"-?[0-9]{1,18}")
 
 
 def sampling_params(
@@ -251,10 +354,12 @@ def sampling_params(
         )
     bias: dict[int, float] = {}
     for key, value in (req.logit_bias or {}).items():
-        if not key.lstrip("-").isdigit() or not 0 <= int(key) < state.vocab_size:
+        # ASCII digits only: int() takes "١" (Arabic-Indic one) and " 1", and refuses "²" and 5000 digits.
+        if not _TOKEN_ID.fullmatch(key) or not 0 <= int(key) < state.vocab_size:
+            shown = repr(key) if len(key) <= 40 else repr(key[:37]) + "..."
             raise APIError(
                 400,
-                f"logit_bias key {key!r} is not a token id in [0, {state.vocab_size})",
+                f"logit_bias key {shown} is not a token id in [0, {state.vocab_size})",
                 param="logit_bias",
                 code="invalid_value",
             )
@@ -308,8 +413,9 @@ def make_run(
             sub = params if params.seed is None else replace(params, seed=params.seed + j)
             index = p * n + j
             jobs.append(Job(index, f"{request_id}-{index}", ids, sub))
-    _check_intake(state, len(jobs))
-    return Run(state, request_id, prompts, n, jobs, arrival)
+    run = Run(state, request_id, prompts, n, jobs, arrival)
+    _admit(state, run, param="n" if len(prompts) == 1 else "prompt")
+    return run
 
 
 # --------------------------------------------------------------------------------------------- running
@@ -321,6 +427,8 @@ async def _run_jobs(run: Run) -> AsyncIterator[tuple[Job, RequestUpdate]]:
     queue: asyncio.Queue[tuple[Job, RequestUpdate | BaseException]] = asyncio.Queue()
 
     async def pump(job: Job) -> None:
+        # generate() queues the job before its first await, so from here on the engine's queue counts it.
+        run.unqueued -= 1
         try:
             async for update in state.engine.generate(job.request_id, job.prompt_ids, job.params):
                 queue.put_nowait((job, update))
@@ -353,6 +461,7 @@ async def _run_jobs(run: Run) -> AsyncIterator[tuple[Job, RequestUpdate]]:
         # Cancelling a task makes its engine.generate() exit early, which aborts the engine request.
         for task in tasks:
             task.cancel()
+        run.unqueued = 0  # a task cancelled before it started never queues its job
         if remaining:  # the client left (or an error ended the response) before these jobs finished
             m.finished.labels("abort").inc(remaining)
 
@@ -420,39 +529,66 @@ def _visible(state: ServingState, out: ChoiceResult | RequestUpdate) -> list[tup
     return pairs
 
 
-def _chat_logprobs(state: ServingState, out: ChoiceResult | RequestUpdate, k: int) -> ChoiceLogprobs:
+class LogprobCursor:
+    """Which generated tokens one choice's text holds so far, and where in that text each starts.
+
+    The text lags the tokens (an incomplete character, a possible stop string is held back) and ends before
+    them when a stop string matched: a token is reported once the text sent reaches it, and those past the end
+    of the final text (the stop string's) never are. Offsets count the tokens' bytes through a UTF-8 decoder,
+    so the tokens holding parts of one character all start where that character does.
+    """
+
+    def __init__(self, state: ServingState) -> None:
+        self.state = state
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = 0  # length of the text the tokens seen so far make
+        self._sent = 0  # length of the text sent so far
+        self._pending: deque[tuple[int, dict[int, float], int]] = deque()
+
+    def advance(self, out: ChoiceResult | RequestUpdate) -> list[tuple[int, dict[int, float], int]]:
+        """(token, logprobs, text offset) of each token that the text of `out` (the next piece) reaches."""
+        for token, entry in _visible(self.state, out):
+            self._pending.append((token, entry, self._chars))
+            self._chars += len(self._utf8.decode(self.state.token_piece(token).text))
+        self._sent += len(out.text)
+        ready = []
+        while self._pending and self._pending[0][2] < self._sent:
+            ready.append(self._pending.popleft())
+        return ready
+
+
+def _chat_logprobs(cursor: LogprobCursor, out: ChoiceResult | RequestUpdate, k: int) -> ChoiceLogprobs:
     content = []
-    for token, entry in _visible(state, out):
-        text = state.token_text(token)
-        top = sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+    for token, entry, _ in cursor.advance(out):
+        piece = cursor.state.token_piece(token)
+        top = [
+            (cursor.state.token_piece(i), lp) for i, lp in sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+        ]
         content.append(
             TokenLogprob(
-                token=text,
+                token=piece.token,
                 logprob=entry[token],
-                bytes=list(text.encode()),
-                top_logprobs=[
-                    TopLogprob(token=(t := state.token_text(i)), logprob=lp, bytes=list(t.encode()))
-                    for i, lp in top
-                ],
+                bytes=list(piece.raw),
+                top_logprobs=[TopLogprob(token=p.token, logprob=lp, bytes=list(p.raw)) for p, lp in top],
             )
         )
     return ChoiceLogprobs(content=content)
 
 
 def _completion_logprobs(
-    state: ServingState, out: ChoiceResult | RequestUpdate, k: int, offset: int
+    cursor: LogprobCursor, out: ChoiceResult | RequestUpdate, k: int
 ) -> CompletionLogprobs:
-    """`offset`: where this piece starts in the choice's text (a stream sends a choice in several pieces)."""
     lp = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    for token, entry in _visible(state, out):
-        text = state.token_text(token)
-        lp.tokens.append(text)
+    for token, entry, offset in cursor.advance(out):
+        lp.tokens.append(cursor.state.token_piece(token).token)
         lp.token_logprobs.append(entry[token])
         lp.top_logprobs.append(
-            {state.token_text(i): v for i, v in sorted(entry.items(), key=lambda kv: -kv[1])[:k]}
+            {
+                cursor.state.token_piece(i).token: v
+                for i, v in sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+            }
         )
         lp.text_offset.append(offset)
-        offset += len(text)
     return lp
 
 
@@ -558,7 +694,7 @@ async def chat_completions(request: Request) -> Response:
     run = make_run(state, "chatcmpl", [prompt_ids], params, req.n, param="messages", arrival=arrival)
 
     def choice(i: int, r: ChoiceResult) -> ChatChoice:
-        lp = None if top is None else _chat_logprobs(state, r, top)
+        lp = None if top is None else _chat_logprobs(LogprobCursor(state), r, top)
         return ChatChoice(
             index=i, message=AssistantMessage(content=r.text), logprobs=lp, finish_reason=r.finish_reason
         )
@@ -566,10 +702,12 @@ async def chat_completions(request: Request) -> Response:
     def opening(job: Job) -> ChatChunkChoice:
         return ChatChunkChoice(index=job.index, delta=Delta(role="assistant", content=""))
 
+    cursors = [LogprobCursor(state) for _ in run.jobs]
+
     def deltas(job: Job, u: RequestUpdate) -> list[ChatChunkChoice]:
         # Chat sends the finish_reason in a chunk of its own, after the last content.
         out = []
-        lp = None if top is None else _chat_logprobs(state, u, top)
+        lp = None if top is None else _chat_logprobs(cursors[job.index], u, top)
         if u.text or (lp is not None and lp.content):
             out.append(ChatChunkChoice(index=job.index, delta=Delta(content=u.text), logprobs=lp))
         if u.finish_reason is not None:
@@ -612,16 +750,13 @@ async def completions(request: Request) -> Response:
     k = req.logprobs
 
     def choice(i: int, r: ChoiceResult) -> CompletionChoice:
-        lp = None if k is None else _completion_logprobs(state, r, k, 0)
+        lp = None if k is None else _completion_logprobs(LogprobCursor(state), r, k)
         return CompletionChoice(index=i, text=r.text, logprobs=lp, finish_reason=r.finish_reason)
 
-    offsets = [0] * len(run.jobs)  # text_offset continues across a choice's chunks
+    cursors = [LogprobCursor(state) for _ in run.jobs]  # text_offset continues across a choice's chunks
 
     def deltas(job: Job, u: RequestUpdate) -> list[CompletionChoice]:
-        lp = None
-        if k is not None:
-            lp = _completion_logprobs(state, u, k, offsets[job.index])
-            offsets[job.index] += sum(len(t) for t in lp.tokens)
+        lp = None if k is None else _completion_logprobs(cursors[job.index], u, k)
         if not (u.text or (lp is not None and lp.tokens) or u.finish_reason is not None):
             return []
         return [CompletionChoice(index=job.index, text=u.text, logprobs=lp, finish_reason=u.finish_reason)]
