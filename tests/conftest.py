@@ -55,9 +55,10 @@ def _seed():
     torch.manual_seed(0)
 
 
-def make_tiny_llama_dir(path: Path, tokenizer_dir: Path, **overrides) -> Path:
-    """A tiny random Llama with the SmolLM2 tokenizer: a complete HF directory that `ember.LLM` can load."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def make_tiny_llama_dir(path: Path, tokenizer_dir: Path, arch: str = "Llama", **overrides) -> Path:
+    """A tiny random Llama (or another transformers `arch`: "Phi3", ...) with the SmolLM2 tokenizer: a complete
+    HF directory that `ember.LLM` can load."""
+    import transformers
 
     cfg = dict(
         hidden_size=64,
@@ -73,7 +74,8 @@ def make_tiny_llama_dir(path: Path, tokenizer_dir: Path, **overrides) -> Path:
     )
     cfg.update(overrides)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    config = getattr(transformers, f"{arch}Config")(**cfg)
+    model = getattr(transformers, f"{arch}ForCausalLM")(config).eval()
     return save_tiny(model, path, tokenizer_dir)
 
 

@@ -31,8 +31,9 @@ class NonFiniteLogitsError(EmberError):
     """A model's logits are NaN or inf (activations overflowing float16, or broken weights)."""
 
 
-def non_finite_logits_message(dtype: str) -> str:
-    """What NonFiniteLogitsError says for a model run in `dtype` ("float16", "bfloat16", ...)."""
+def non_finite_logits_message(dtype: object) -> str:
+    """What NonFiniteLogitsError says for a model run in `dtype` (a torch.dtype)."""
+    dtype = str(dtype).removeprefix("torch.")
     if dtype == "float16":
         return (
             "the logits are not finite (NaN or inf): this model's activations overflow "

@@ -215,9 +215,7 @@ def test_longrope_factors_follow_each_sequence_not_the_batch_or_a_chunk(tmp_path
     """Phi-3 LongRoPE takes its long factors once a sequence is longer than the original length. They were
     picked from the largest position in the packed step: a prompt's early chunks took the short ones, and a
     short request batched with a long one took the long ones. Against transformers' single-pass logprobs."""
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    from tests.conftest import save_tiny
+    from transformers import Phi3ForCausalLM
 
     half = 8  # rotary_dim 16 (head_dim 16)
     rope = dict(
@@ -225,23 +223,16 @@ def test_longrope_factors_follow_each_sequence_not_the_batch_or_a_chunk(tmp_path
         short_factor=[1.0 + 0.1 * i for i in range(half)],
         long_factor=[2.0 + 1.5 * i for i in range(half)],
     )
-    cfg = Phi3Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=49152,
-        max_position_embeddings=256,
+    path = make_tiny_llama_dir(
+        tmp_path,
+        smollm2_tokenizer_dir,
+        arch="Phi3",
         original_max_position_embeddings=16,
         rope_parameters=dict(rope_theta=10000.0, **rope),
         pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        attn_implementation="eager",
     )
-    ref = Phi3ForCausalLM(cfg).eval()
-    llm = ember.LLM(save_tiny(ref, tmp_path, smollm2_tokenizer_dir))
+    ref = Phi3ForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    llm = ember.LLM(path)
     short, long = prompts(1, seed=3)[0][:10], prompts(1, seed=4)[0] * 3
     assert len(short) + 4 <= 16 < len(long)
     params = ember.SamplingParams(max_tokens=4, temperature=0, logprobs=0, ignore_eos=True)

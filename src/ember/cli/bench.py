@@ -66,12 +66,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    # Refused before a model is built or loaded (for random weights, one of real size can take minutes).
-    spec = None
-    if args.quantize is not None:  # "" too: an empty scheme is not "none"
-        from ember.quant import QuantSpec
-
-        spec = QuantSpec.parse(args.quantize)
+    # Refused before a model is built (one of real size can take minutes); argparse checked the scheme.
     if args.random_weights:
         given = args.model_option or args.model
         if given:
@@ -79,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
                 f"--random-weights {args.random_weights} benchmarks random weights, not a checkpoint; "
                 f"drop the model {given!r} or --random-weights"
             )
-        if spec is not None and spec.scheme == "gguf":
+        if args.quantize == "gguf":
             from ember.quant import not_gguf
 
             raise not_gguf("random weights have none")

@@ -155,8 +155,7 @@ class ModelRunner:
             if ok[row]:
                 out.sampled[r.request_id] = chosen[row]
             else:
-                dtype = str(self.dtype).removeprefix("torch.")
-                out.failed[r.request_id] = non_finite_logits_message(dtype)
+                out.failed[r.request_id] = non_finite_logits_message(self.dtype)
         for j, row in enumerate(want_logprobs):
             r, token = sampling[row], chosen[row]
             entry = {}

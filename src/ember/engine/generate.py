@@ -285,8 +285,7 @@ class Generator:
             now = time.perf_counter()
             if i == 0:
                 if not bool(finite):
-                    dtype = str(self.dtype).removeprefix("torch.")
-                    raise NonFiniteLogitsError(non_finite_logits_message(dtype))
+                    raise NonFiniteLogitsError(non_finite_logits_message(self.dtype))
                 timings.prefill_s = timings.first_token_s = now - start
                 decode_start = now
             step = TokenStep(token_id)
