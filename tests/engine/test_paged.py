@@ -120,6 +120,37 @@ def test_preemption_under_memory_pressure_keeps_outputs(windowed_llm):
     assert core.stats().kv_blocks_used == 0
 
 
+def test_admitted_requests_stream_to_the_end_while_preemption_fills_the_queue(windowed_llm):
+    """The server admits a request against the queue limit before its response starts; a queue that preempted
+    requests refill meanwhile must not refuse it after that (AsyncEngine.generate(admitted=True))."""
+    import asyncio
+
+    from ember.engine.async_engine import AsyncEngine, QueueFullError
+
+    llm = windowed_llm
+    ps = prompts(8, seed=3)
+    params = ember.SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    expected = [static_greedy(llm, ids, 20) for ids in ps]
+    config = EngineConfig(kv_cache_memory=core_block_bytes(llm, 4) * 26, block_size=4, max_batched_tokens=32)
+    engine = AsyncEngine(EngineCore(llm.loaded, config), max_waiting=2)
+
+    async def run(i: int, admitted: bool) -> list[int]:
+        gen = engine.generate(f"{admitted}-{i}", ps[i], params, admitted=admitted)
+        return [t async for u in gen for t in u.token_ids]
+
+    async def main():
+        try:
+            got = await asyncio.gather(*(run(i, True) for i in range(len(ps))))
+            assert engine.core.scheduler.num_preemptions > 0
+            assert got == expected
+            with pytest.raises(QueueFullError):  # unadmitted: refused while more than the limit wait
+                await asyncio.gather(*(run(i, False) for i in range(len(ps))))
+        finally:
+            await engine.shutdown(drain_timeout=0)
+
+    asyncio.run(main())
+
+
 def core_block_bytes(llm, block_size):
     from ember.engine.paged_cache import PagedKVCache
 

@@ -76,12 +76,21 @@ class AsyncEngine:
     # -- any thread ----------------------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        admitted: bool = False,
     ) -> AsyncIterator[RequestUpdate]:
-        """Yields one RequestUpdate per engine step until the update with a finish_reason."""
+        """Yields one RequestUpdate per engine step until the update with a finish_reason.
+
+        Raises QueueFullError when `max_waiting` requests wait, unless `admitted`: the caller has already
+        counted this request against the limit (the server does, before its response starts) and it is queued
+        even if the queue has filled since, as it does when preempted requests go back to it."""
         if not self._accepting:
             raise EngineStoppedError("the server is shutting down and accepts no new requests")
-        if self.core.num_waiting() >= self.max_waiting:
+        if not admitted and self.core.num_waiting() >= self.max_waiting:
             raise QueueFullError(f"{self.core.num_waiting()} requests are already waiting; retry later")
         self.core.validate(prompt_token_ids, params)  # raises ContextLengthError before anything is queued
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())

@@ -427,10 +427,12 @@ async def _run_jobs(run: Run) -> AsyncIterator[tuple[Job, RequestUpdate]]:
     queue: asyncio.Queue[tuple[Job, RequestUpdate | BaseException]] = asyncio.Queue()
 
     async def pump(job: Job) -> None:
-        # generate() queues the job before its first await, so from here on the engine's queue counts it.
+        # generate() queues the job before its first await, so from here on the engine's queue counts it. It
+        # was admitted (`_admit`), so a queue filled since (preempted requests go back to it) does not refuse it.
         run.unqueued -= 1
         try:
-            async for update in state.engine.generate(job.request_id, job.prompt_ids, job.params):
+            gen = state.engine.generate(job.request_id, job.prompt_ids, job.params, admitted=True)
+            async for update in gen:
                 queue.put_nowait((job, update))
         except (QueueFullError, EngineStoppedError, EmberError) as e:
             queue.put_nowait((job, e))
