@@ -33,7 +33,7 @@ SHAPES = {  # name: (N, K), Llama-3-8B
     "down": (4096, 14336),
     "lm_head": (128256, 4096),
 }
-TILES = [(1, 2048), (2, 1024), (2, 2048), (4, 512), (4, 1024), (4, 2048), (8, 256), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 256)]  # fmt: skip
+TILES = [(1, 2048), (1, 4096), (2, 1024), (2, 2048), (2, 4096), (4, 512), (4, 1024), (4, 2048), (8, 256), (8, 512), (8, 1024), (16, 256), (16, 512), (32, 256)]  # fmt: skip
 WARPS, STAGES = (4, 8), (1, 3)
 POOL_BYTES = 768 << 20  # weight copies per shape: several times the L2
 GROUP = 128
@@ -156,6 +156,8 @@ def configs_for(kind: str, K: int) -> list[dict]:
         if kind == "int4" and bk < GROUP:
             continue
         out.append({"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s})
+    if kind in ("bf16", "int8", "bf16glu", "int8glu"):  # also one accumulator per 8 weights (as tuned)
+        out += [{**c, "ACC8": True} for c in out if c["num_stages"] == 1 and c["BLOCK_K"] <= K]
     if kind == "int8":  # the other conversions (`_int8_to_float`), for comparison, on a few tiles
         few = [c for c in out if c["num_stages"] == 1 and c["num_warps"] == 4]
         out += [{**c, "MAGIC": magic} for c in few for magic in (0, 1)]
