@@ -76,6 +76,50 @@ def test_template_exception_becomes_tokenizer_error(smollm2, tmp_path):
         tok.render_chat(CONVERSATION)
 
 
+def _with_template(smollm2, tmp_path, template: str) -> Tokenizer:
+    (tmp_path / "tokenizer.json").write_bytes((smollm2.saved_dir / "tokenizer.json").read_bytes())
+    (tmp_path / "chat_template.jinja").write_text(template)
+    return Tokenizer.from_dir(tmp_path)
+
+
+def test_none_valued_keys_are_left_out(smollm2, tmp_path):
+    # OpenAI clients send `"content": null` beside tool_calls; transformers drops such keys before rendering,
+    # so a template that tests `is defined` takes the same branch as for a message without the key.
+    template = (
+        "{% for m in messages %}{{ m['role'] }}: {% if m['content'] is defined %}{{ m['content'] }}"
+        "{% else %}{{ m['tool_calls'] | tojson }}{% endif %}|{% endfor %}"
+    )
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
+    ]
+    expected = smollm2.ref.apply_chat_template(messages, chat_template=template, tokenize=False)
+    assert expected == 'user: weather?|assistant: [{"function": {"name": "f", "arguments": {}}}]|'
+    assert (
+        _with_template(smollm2, tmp_path, template).render_chat(messages, add_generation_prompt=False)
+        == expected
+    )
+    assert messages[1]["content"] is None  # the caller's messages are not changed
+
+
+def test_empty_conversation_is_tokenizer_error(smollm2):
+    with pytest.raises(TokenizerError, match="no messages"):
+        smollm2.ours.render_chat([])
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ messages | length / 0 }}",
+        "{% for i in range(10**6) %}{% endfor %}",  # the sandbox's range limit raises OverflowError
+        "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+    ],
+)
+def test_template_python_errors_become_tokenizer_error(smollm2, tmp_path, template):
+    with pytest.raises(TokenizerError, match="chat template failed: [A-Za-z]+Error"):
+        _with_template(smollm2, tmp_path, template).render_chat(CONVERSATION)
+
+
 def test_sandbox_blocks_attribute_escape(smollm2, tmp_path):
     (tmp_path / "tokenizer.json").write_bytes((smollm2.saved_dir / "tokenizer.json").read_bytes())
     (tmp_path / "chat_template.jinja").write_text("{{ messages.__class__.__mro__[1].__subclasses__() }}")

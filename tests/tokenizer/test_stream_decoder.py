@@ -34,6 +34,18 @@ def test_stream_holds_back_split_characters(model):
     assert "" in pieces and not any("\ufffd" in p for p in pieces)
 
 
+@pytest.mark.slow
+def test_stream_holds_byte_run_until_it_ends(gemma3):
+    # A stray byte after a byte-fallback character makes the whole run invalid: Gemma's decoder then gives one
+    # U+FFFD per byte, so "𓀀" must not have been streamed before the run ended.
+    tok = gemma3.ours
+    ids = tok.encode("a 𓀀", add_special_tokens=False) + [tok.backend.token_to_id("<0x80>")]
+    ids += tok.encode(" ok", add_special_tokens=False)
+    assert tok.decode(ids) == "a " + "\ufffd" * 5 + " ok" == gemma3.ref.decode(ids, skip_special_tokens=True)
+    pieces, tail = _stream(tok, ids)
+    assert "".join(pieces) + tail == tok.decode(ids) and "𓀀" not in pieces
+
+
 def test_stream_random_ids(model):
     # Random ids: broken byte sequences, special tokens mid-stream, and long enough to trim the window.
     rng = random.Random(0)
@@ -86,3 +98,25 @@ def test_stream_keeps_space_after_skipped_special_token():
     for ids in ([3, 0, 3, 1, 3, 3, 2], [0, 3, 1], [3, 3, 0, 1, 3]):
         pieces, tail = _stream(tok, ids)
         assert "".join(pieces) + tail == tok.decode(ids), ids
+
+
+@pytest.mark.parametrize("ids", [[0, 1, 3], [0, 4, 1, 3], [4, 0, 3, 1], [3, 0, 1], [0, 4, 4, 3, 1, 0]])
+def test_stream_byte_fallback_runs(ids):
+    # ByteFallback decodes a run of <0x..> pieces at once: "{" alone, but "{" + a stray continuation byte is
+    # two U+FFFD, also across a skipped special token (which does not end the run).
+    from tokenizers import AddedToken, decoders
+    from tokenizers import Tokenizer as FastTokenizer
+    from tokenizers.models import BPE
+
+    from ember.tokenizer import Tokenizer
+
+    vocab = {"<0x7B>": 0, "<0x94>": 1, "<0xC3>": 2, "▁a": 3, "<eos>": 4}
+    backend = FastTokenizer(BPE(vocab=vocab, merges=[], byte_fallback=True))
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    backend.add_special_tokens([AddedToken("<eos>", special=True)])
+    tok = Tokenizer(backend, bos_token_id=None, eos_token_ids=(4,), chat_template=None)
+    for skip in (True, False):
+        pieces, tail = _stream(tok, ids, skip)
+        assert "".join(pieces) + tail == tok.decode(ids, skip_special_tokens=skip), (ids, skip, pieces)

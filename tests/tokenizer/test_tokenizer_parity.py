@@ -78,3 +78,71 @@ def test_from_dir_respects_add_bos_flag(smollm2, tmp_path):
     tok = Tokenizer.from_dir(tmp_path)
     assert tok.add_bos and tok.encode("hi") == [tok.bos_token_id, *tok.encode("hi", add_special_tokens=False)]
     assert tok.chat_template is None  # chat_template.jinja was not copied and the config has none
+
+
+def _write(w) -> None:
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _write_byte_level_gguf(path, pre: str) -> None:
+    """A tokenizer-only GGUF: "hello" is a token, but the merges only reach "he" + "ll" + "o"."""
+    import gguf
+
+    tokens = ["<|begin_of_text|>", "h", "e", "l", "o", "Ġ", "he", "ll", "hello"]
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_types([3] + [1] * (len(tokens) - 1))
+    w.add_token_merges(["h e", "l l"])
+    # No tokenizer.ggml.add_bos_token: llama.cpp's default for the pre-tokenizer applies.
+    w.add_bos_token_id(0)
+    _write(w)
+
+
+@pytest.mark.parametrize(("pre", "bos", "hello"), [("gpt2", [], [6, 7, 4]), ("llama-bpe", [0], [8])])
+def test_llama3_pre_tokenizer_takes_whole_words(tmp_path, pre, bos, hello):
+    # llama.cpp reads Llama 3 vocabularies with ignore_merges (a word that is a token is not merged up from
+    # bytes, as tiktoken and Llama 3's tokenizer.json do) and adds BOS when the file does not say otherwise.
+    import gguf
+
+    _write_byte_level_gguf(tmp_path / "tiny.gguf", pre)
+    tok = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "tiny.gguf"))
+    assert tok.encode("hello hello") == [*bos, *hello, 5, 6, 7, 4]  # "Ġhello" is no token: merged as usual
+
+
+def _write_sentencepiece_gguf(path, arch: str) -> None:
+    """A tokenizer-only SentencePiece GGUF: control tokens, 256 byte pieces, a few words ranked by score."""
+    import gguf
+
+    words = ["▁", "h", "i", "[", "]", "I", "N", "S", "T", "▁h", "hi", "▁hi", "▁▁", "▁[", "IN", "ST", "[INST]"]
+    tokens = ["<unk>", "<s>", "</s>", "<|user|>", *(f"<0x{b:02X}>" for b in range(256)), *words]
+    w = gguf.GGUFWriter(path, arch)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_types([2, 3, 3, 3] + [6] * 256 + [1] * len(words))
+    w.add_token_scores([0.0] * 260 + [-float(i) for i in range(len(words))])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    _write(w)
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_sentencepiece_space_prefix_matches_transformers(tmp_path, arch):
+    # Phi-3 files get the "▁" before every stretch of text (also after <|user|> and before a leading space),
+    # as in llama.cpp and transformers' GGUF loader; llama files only at the start, as in transformers.
+    import gguf
+    from transformers import AutoTokenizer
+
+    _write_sentencepiece_gguf(tmp_path / "tiny.gguf", arch)
+    ours = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "tiny.gguf"))
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="tiny.gguf")
+    for text in ["hi", " hi", "  hi", "<|user|>\nhi", "hi<|user|>hi", "<s>[INST] hi", ""]:
+        for add in (True, False):
+            ids = ours.encode(text, add_special_tokens=add)
+            assert ids == ref.encode(text, add_special_tokens=add), (text, add)
+            assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), (text, add)

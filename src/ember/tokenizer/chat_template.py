@@ -123,9 +123,19 @@ def render_chat_template(
 ) -> str:
     """Render `source` over `messages`; `special_tokens` (bos_token, eos_token, ...) become variables.
 
-    Raises TokenizerError when the template does not compile or raises while rendering (for example through
-    `raise_exception("Conversation roles must alternate ...")`), carrying the template's own message.
+    Raises TokenizerError for an empty conversation, and when the template does not compile or raises while
+    rendering (for example through `raise_exception("Conversation roles must alternate ...")`), carrying the
+    template's own message.
     """
+    if not messages:
+        raise TokenizerError("cannot render a chat of no messages: give at least one")
+    plain_messages = _plain(messages)
+    if not all(isinstance(m, dict) for m in plain_messages):
+        kinds = sorted({type(m).__name__ for m in plain_messages if not isinstance(m, dict)})
+        raise TokenizerError(f"chat messages must be dicts with 'role' and 'content', got {', '.join(kinds)}")
+    # As transformers does: a key set to None is a key left out (OpenAI's `"content": null` beside
+    # `tool_calls`), so that templates testing `message.content is defined` see what they expect.
+    plain_messages = [{k: v for k, v in m.items() if v is not None} for m in plain_messages]
     try:
         template = _compile(source)
         variables = _plain({**special_tokens, **template_kwargs})
@@ -133,10 +143,19 @@ def render_chat_template(
         variables.setdefault("tools", None)
         variables.setdefault("documents", None)
         return template.render(
-            messages=_plain(messages), add_generation_prompt=add_generation_prompt, **variables
+            messages=plain_messages, add_generation_prompt=add_generation_prompt, **variables
         )
     except jinja2.TemplateError as e:
         raise TokenizerError(f"chat template failed: {e}") from e
-    except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
-        # Python errors from template expressions, e.g. `'a' + None` for a message without content.
+    except (
+        TypeError,
+        ValueError,
+        KeyError,
+        AttributeError,
+        IndexError,
+        ArithmeticError,
+        RecursionError,
+    ) as e:
+        # Python errors from template expressions, e.g. `'a' + None` for a message without content, or the
+        # sandbox refusing `range(10**6)` (OverflowError), or a macro that calls itself forever.
         raise TokenizerError(f"chat template failed: {type(e).__name__}: {e}") from e

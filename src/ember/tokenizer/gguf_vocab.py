@@ -4,7 +4,9 @@ A GGUF carries no `tokenizer.json`: it stores the token strings, their types, me
 scores (SentencePiece) and a few flags under `tokenizer.ggml.*`. We rebuild the equivalent fast tokenizer:
 
 * `tokenizer.ggml.model == "gpt2"`: byte-level BPE. Tokens are already spelled in the GPT-2 byte alphabet;
-  the text is split with the regex llama.cpp picks for `tokenizer.ggml.pre`, then mapped to bytes.
+  the text is split with the regex llama.cpp picks for `tokenizer.ggml.pre`, then mapped to bytes. For the
+  Llama 3 family llama.cpp also takes a word that is a whole token as is, without merging (tiktoken's rule,
+  `ignore_merges` in Llama 3's tokenizer.json), and adds BOS unless the file says not to; so do we.
 * `tokenizer.ggml.model == "llama"`: SentencePiece BPE with byte fallback (`<0x0A>` tokens). The file has
   no merges, so they are derived from the vocabulary: every way of cutting a token into two tokens is a
   merge, ranked by the score of the merged token. Gemma files rank by position instead.
@@ -12,7 +14,8 @@ scores (SentencePiece) and a few flags under `tokenizer.ggml.*`. We rebuild the 
 Token types follow llama.cpp: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte. Control
 tokens become special added tokens (matched whole, dropped by `skip_special_tokens`); user-defined ones
 become plain added tokens (matched whole, always decoded), as llama.cpp does. The result agrees with
-`transformers`' own GGUF conversion, which the tests use as the oracle.
+`transformers`' own GGUF conversion, which the tests use as the oracle, except where that conversion departs
+from llama.cpp: it splits no digits for StarCoder-family vocabularies and merges whole Llama 3 words.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as FastTokenizer
 from tokenizers.models import BPE
 
@@ -68,10 +71,18 @@ _BYTE_LEVEL_SPLITS: dict[str, list[str] | None] = {
     **dict.fromkeys(["qwen2", "stablelm2", "deepseek-r1-qwen", "megrez"], [_QWEN2_SPLIT]),
     **dict.fromkeys(["gpt-4o", "llama4"], [_GPT4O_SPLIT]),
 }
+# The pre-tokenizers llama.cpp reads as LLAMA3: `ignore_merges`, and BOS by default (dbrx and smaug-bpe share
+# the split only).
+_LLAMA3_PRES = frozenset({"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral", "lfm2"})
 
 # Gemma: the scores in the file do not follow the merge order, the position of a token does (ranking by score
 # gives ids that differ from the original tokenizer.json; transformers' GGUF loader found the same).
 _POSITION_RANKED_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "gemma3n"})
+
+# Phi-3: the space prefix goes before every stretch of text, also one that starts with a space or follows a
+# special token (`<|user|>\n...`), as llama.cpp does and transformers' GGUF loader does for this architecture;
+# elsewhere we follow transformers, whose Metaspace adds it only at the start of the whole text.
+_PREFIX_EVERY_TEXT_ARCHS = frozenset({"phi3"})
 
 
 @dataclass(frozen=True)
@@ -112,9 +123,10 @@ def vocab_from_gguf(reader: gguf.GGUFReader) -> GGUFVocab:
             f"{path}: tokenizer.ggml.token_type has {len(token_types)} entries for {len(tokens)} tokens"
         )
     arch = _field(reader, "general.architecture", "")
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
 
     if model == "gpt2":
-        fast, added = _byte_level_bpe(reader, tokens, token_types, path)
+        fast, added = _byte_level_bpe(reader, tokens, token_types, pre, path)
     elif model == "llama":
         fast, added = _sentencepiece_bpe(reader, tokens, token_types, arch, path)
     else:
@@ -126,8 +138,10 @@ def vocab_from_gguf(reader: gguf.GGUFReader) -> GGUFVocab:
 
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    # llama.cpp's defaults when the flag is absent: SentencePiece vocabularies add BOS, byte-level ones do not.
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", model == "llama")) and bos is not None
+    # llama.cpp's defaults when the flag is absent: SentencePiece and Llama 3 vocabularies add BOS, other
+    # byte-level ones do not.
+    add_bos_default = model == "llama" or pre in _LLAMA3_PRES
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None
     add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False)) and eos is not None
     fast.post_processor = bos_eos_processor(fast, bos if add_bos else None, eos if add_eos else None)
     return GGUFVocab(
@@ -151,9 +165,8 @@ def _added_tokens(tokens: list[str], token_types: list[int], vocab: dict[str, in
 
 
 def _byte_level_bpe(
-    reader: gguf.GGUFReader, tokens: list[str], token_types: list[int], path: str
+    reader: gguf.GGUFReader, tokens: list[str], token_types: list[int], pre: str, path: str
 ) -> tuple[FastTokenizer, list[AddedToken]]:
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
     if pre not in _BYTE_LEVEL_SPLITS:
         raise TokenizerError(
             f"{path}: tokenizer.ggml.pre {pre!r} is not a known byte-level pre-tokenizer "
@@ -164,7 +177,11 @@ def _byte_level_bpe(
         raise TokenizerError(f"{path}: byte-level vocabulary without tokenizer.ggml.merges")
     vocab = {token: i for i, token in enumerate(tokens)}
     merges = [tuple(m.split(" ", 1)) for m in merges_field]
-    fast = FastTokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    fast = FastTokenizer(
+        BPE(
+            vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False, ignore_merges=pre in _LLAMA3_PRES
+        )
+    )
 
     splits = _BYTE_LEVEL_SPLITS[pre]
     if splits is None:
@@ -201,9 +218,15 @@ def _sentencepiece_bpe(
     )
     # llama.cpp prepends a space to the text unless the file says not to (Gemma does).
     add_space_prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
-    fast.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False
-    )
+    if add_space_prefix and arch in _PREFIX_EVERY_TEXT_ARCHS:
+        # Added tokens are cut out before normalizing, so each stretch of text between them gets its own "▁".
+        fast.normalizer = normalizers.Sequence(
+            [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+        )
+    else:
+        fast.pre_tokenizer = pre_tokenizers.Metaspace(
+            replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False
+        )
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_space_prefix:
         steps.append(decoders.Strip(content=" ", left=1))

@@ -8,6 +8,11 @@ difference is the new text. Text that ends in U+FFFD is an incomplete character 
 later token completes it (or `flush()` gives up). Each step decodes a window of a few tokens, so streaming
 is O(1) per token rather than a re-decode of the whole output.
 
+Byte-fallback pieces (SentencePiece's `<0xE4>`) need more: the decoder turns a whole run of them into text at
+once, and a run that is not valid UTF-8 becomes one U+FFFD per byte, including bytes that were a complete
+character before the run went on (`<0x7B>` is "{", `<0x7B><0x94>` is "\ufffd\ufffd"). Text is therefore held
+while the latest id that the decode keeps is a byte piece, and released when the run ends.
+
 Invariant, tested against the full decode: `"".join(push(i) for i in ids) + flush() == decode(ids)`.
 """
 
@@ -24,9 +29,22 @@ _TRIM_AT = 256
 class StreamDecoder:
     """Feeds token ids one at a time and returns only text that no later token can change."""
 
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        """`decode(ids) -> str` must be the tokenizer's decode with the caller's skip_special_tokens choice."""
+    def __init__(
+        self,
+        decode: Callable[[list[int]], str],
+        *,
+        byte_ids: frozenset[int] = frozenset(),
+        skipped_ids: frozenset[int] = frozenset(),
+    ) -> None:
+        """`decode(ids) -> str` must be the tokenizer's decode with the caller's skip_special_tokens choice.
+
+        `byte_ids` are the byte-fallback pieces; `skipped_ids` the ids that `decode` drops (special tokens
+        under skip_special_tokens), which leave a run of byte pieces open rather than ending it.
+        """
         self._decode = decode
+        self._byte_ids = byte_ids
+        self._skipped_ids = skipped_ids
+        self._in_byte_run = False  # the latest id the decode keeps is a byte piece
         self._ids: list[int] = []
         self._prefix_offset = 0  # window start: decoding from here gives the same text as the full decode
         self._read_offset = 0  # end of what has been emitted
@@ -35,6 +53,12 @@ class StreamDecoder:
     def push(self, token_id: int) -> str:
         """Add one generated id; return the text it completes ("" while a character is still incomplete)."""
         self._ids.append(token_id)
+        if token_id in self._byte_ids:
+            self._in_byte_run = True
+        elif token_id not in self._skipped_ids:
+            self._in_byte_run = False
+        if self._in_byte_run:  # a later byte piece could still turn this run into U+FFFDs
+            return ""
         text = self._decode(self._ids[self._prefix_offset :])
         if len(text) <= len(self._prefix_text) or text.endswith("\ufffd"):
             return ""

@@ -60,6 +60,11 @@ class Tokenizer:
         self._source = source
         # What the post-processor does, not what a config claims: that is what `encode` will produce.
         self.add_bos: bool = bos_token_id is not None and backend.encode("a").ids[:1] == [bos_token_id]
+        # For streaming: byte-fallback pieces, and the ids that skip_special_tokens drops.
+        self._byte_ids = frozenset(
+            i for b in range(256) if (i := backend.token_to_id(f"<0x{b:02X}>")) is not None
+        )
+        self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
 
     def __repr__(self) -> str:
         return (
@@ -151,7 +156,11 @@ class Tokenizer:
     def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
         """A fresh incremental decoder for one generated sequence."""
         backend = self._backend
-        return StreamDecoder(lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens))
+        return StreamDecoder(
+            lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens),
+            byte_ids=self._byte_ids,
+            skipped_ids=self._special_ids if skip_special_tokens else frozenset(),
+        )
 
     # -------------------------------------------------------------------------------------------------- chat
 
