@@ -15,7 +15,10 @@ starts skip it (`quant_cache=False` turns that off; see `ember.quant.cache`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import numbers
+import operator
+import reprlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -29,6 +32,40 @@ from ember.loading.hub import DEFAULT_MODEL
 
 Message = dict[str, str]
 Prompt = str | list[int]
+
+# The usual roles (named in errors); "developer" is OpenAI's newer name of "system".
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _params(params: SamplingParams | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise InvalidParameterError(
+            f"params={reprlib.repr(params)} is invalid; expected an ember.SamplingParams"
+        )
+    return params
+
+
+def _token_ids(prompt: object) -> list[int] | None:
+    """`prompt` as a list of token ids, or None where it is not one: numpy and torch integers are taken,
+    floats and bools are not."""
+    if not isinstance(prompt, Iterable) or isinstance(prompt, bytes | Mapping):
+        return None
+    ids = []
+    for t in prompt:
+        if isinstance(t, bool):
+            return None
+        try:
+            ids.append(operator.index(t))
+        except TypeError:
+            return None
+    return ids
+
+
+def _numbered(e: EmberError, what: str, i: int, count: int) -> EmberError:
+    """`e` with the index of its prompt (or conversation) in front, where the call had several."""
+    return e if count == 1 else type(e)(f"{what} {i}: {e}")
 
 
 @dataclass
@@ -115,12 +152,52 @@ class LLM:
     # -- prompts -------------------------------------------------------------------------------------------
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
+        """A string, tokenized (with BOS where the model's tokenizer adds it), or a list of token ids as is."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
-        return list(prompt)
+        ids = _token_ids(prompt)
+        if ids is None:
+            raise InvalidParameterError(
+                f"prompt={reprlib.repr(prompt)} is invalid; expected a string or a list of token ids (integers)"
+            )
+        return ids
 
     def encode_chat(self, messages: Sequence[Message], *, add_generation_prompt: bool = True) -> list[int]:
-        return self.tokenizer.encode_chat(list(messages), add_generation_prompt=add_generation_prompt)
+        """One conversation, a list of {"role", "content"} dicts, rendered by the chat template and tokenized.
+        Content is a string or a list of {"type": "text", "text"} parts (joined by newlines), and may be None
+        for an assistant message (one that only calls tools: an empty turn, as the server renders it);
+        "developer" is rendered as "system"; other keys (tool_calls, name, ...) and roles (tool, ...) go to
+        the template as they are."""
+        if isinstance(messages, str | Mapping) or not isinstance(messages, Sequence):
+            raise InvalidParameterError(
+                f"messages={reprlib.repr(messages)} is invalid; expected a list of {{'role', 'content'}} dicts"
+            )
+        turns = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping):
+                raise InvalidParameterError(
+                    f"messages[{i}]={reprlib.repr(m)} is invalid; expected a {{'role', 'content'}} dict"
+                )
+            role, content = m.get("role"), m.get("content")
+            if not isinstance(role, str) or not role:
+                raise InvalidParameterError(
+                    f"messages[{i}]['role']={reprlib.repr(role)} is invalid; expected a role such as "
+                    f"{', '.join(ROLES)}"
+                )
+            if content is None and role == "assistant":  # as the server: a turn that only called tools
+                content = ""
+            elif isinstance(content, list) and all(
+                isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                for part in content
+            ):
+                content = "\n".join(part["text"] for part in content)
+            if not isinstance(content, str):
+                raise InvalidParameterError(
+                    f"messages[{i}]['content']={reprlib.repr(content)} is invalid; expected a string "
+                    "(or a list of {'type': 'text', 'text'} parts)"
+                )
+            turns.append({**m, "role": "system" if role == "developer" else role, "content": content})
+        return self.tokenizer.encode_chat(turns, add_generation_prompt=add_generation_prompt)
 
     # -- generation ----------------------------------------------------------------------------------------
 
@@ -128,7 +205,11 @@ class LLM:
         self, prompt_ids: list[int], params: SamplingParams | None = None
     ) -> Iterator[StreamChunk]:
         """Streams one completion of already-tokenized `prompt_ids`."""
-        params = params or SamplingParams()
+        params = _params(params)
+        if params.n != 1:
+            raise InvalidParameterError(
+                f"n={params.n} is invalid for a stream, which yields one completion; use generate() for n > 1"
+            )
         assembler = TextAssembler(self.tokenizer.stream_decoder(), params.stop)
         gen = make_generator(params.seed, self.loaded.device)
         for step in self.generator.generate(prompt_ids, params, self.loaded.eos_token_ids, gen):
@@ -167,12 +248,23 @@ class LLM:
     ) -> list[RequestOutput]:
         """Runs every prompt (n samples each) through the batching engine; outputs in prompt order."""
         core = self.engine()
-        for i, (_, ids) in enumerate(prompts):
-            for j in range(params.n):
-                # With a seed, sample j uses seed + j: n different samples, each reproducible.
-                sub = params if params.seed is None else replace(params, seed=params.seed + j)
-                core.add_request(f"llm-{i}-{j}", ids, sub)
-        updates = core.run_to_completion()
+        for i, (_, ids) in enumerate(prompts):  # every prompt is checked before any runs
+            try:
+                core.validate(ids, params)
+            except EmberError as e:
+                raise _numbered(e, "prompt", i, len(prompts)) from None
+        try:
+            for i, (_, ids) in enumerate(prompts):
+                for j in range(params.n):
+                    # With a seed, sample j uses seed + j: n different samples, each reproducible.
+                    sub = params if params.seed is None else replace(params, seed=params.seed + j)
+                    core.add_request(f"llm-{i}-{j}", ids, sub)
+            updates = core.run_to_completion()
+        except BaseException:
+            # Ctrl-C, or an error inside a step: requests left in the engine would run in the next call and
+            # mix their updates into its outputs under the same request ids.
+            core.fail_all("interrupted", finish_reason="abort")
+            raise
         failed = next((u for steps in updates.values() for u in steps if u.finish_reason == "error"), None)
         if failed is not None:
             raise EmberError(failed.error or "internal error in the engine")
@@ -200,10 +292,22 @@ class LLM:
         self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None
     ) -> list[RequestOutput]:
         """Completes raw prompts (strings, or token id lists); one RequestOutput per prompt, in order."""
-        params = params or SamplingParams()
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        params = _params(params)
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], numbers.Integral)
+        ):
             prompts = [prompts]  # type: ignore[list-item]
-        encoded = [(p if isinstance(p, str) else None, self.encode_prompt(p)) for p in prompts]  # type: ignore[union-attr]
+        if not isinstance(prompts, Sequence):
+            raise InvalidParameterError(
+                f"prompts={reprlib.repr(prompts)} is invalid; expected a string, a list of token ids, "
+                "or a list of those"
+            )
+        encoded = []
+        for i, p in enumerate(prompts):
+            try:
+                encoded.append((p if isinstance(p, str) else None, self.encode_prompt(p)))  # type: ignore[arg-type]
+            except EmberError as e:
+                raise _numbered(e, "prompt", i, len(prompts)) from None
         return self._run(encoded, params)
 
     def chat(
@@ -214,14 +318,19 @@ class LLM:
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Answers one conversation (a list of {"role", "content"} dicts) or several, with the chat template."""
-        params = params or SamplingParams()
+        params = _params(params)
         if not messages:
             raise InvalidParameterError(
                 "messages is empty; expected at least one {'role', 'content'} message"
             )
-        conversations = [messages] if isinstance(messages[0], dict) else messages
-        encoded = [
-            (None, self.encode_chat(c, add_generation_prompt=add_generation_prompt))  # type: ignore[arg-type]
-            for c in conversations
-        ]
+        # Several conversations: a list of lists. Anything else is one, and encode_chat says what is wrong.
+        first = messages[0] if isinstance(messages, Sequence) and not isinstance(messages, str) else None
+        several = isinstance(first, Sequence) and not isinstance(first, str)
+        conversations = messages if several else [messages]
+        encoded = []
+        for i, c in enumerate(conversations):
+            try:
+                encoded.append((None, self.encode_chat(c, add_generation_prompt=add_generation_prompt)))  # type: ignore[arg-type]
+            except EmberError as e:
+                raise _numbered(e, "conversation", i, len(conversations)) from None
         return self._run(encoded, params)

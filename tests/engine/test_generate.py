@@ -103,3 +103,22 @@ def test_logits_that_are_not_finite_are_an_error_not_a_run_of_token_zero(dtype):
         return
     with pytest.raises(NonFiniteLogitsError, match="overflow float16.*bfloat16 or float32"):
         greedy(gen, [1, 2, 3], 2)
+
+
+def test_a_generation_started_while_another_is_suspended_stops_the_first_not_its_tokens():
+    """Two LLM.stream iterators advanced in turn share the one static cache: the second's prefill overwrote
+    the first's keys, which went on silently with wrong tokens. Now the first stops with an error; the second
+    is unharmed."""
+    from ember.errors import EmberError
+
+    model = random_model("tiny", device="cpu", dtype=torch.float32)
+    gen = Generator(model, device=torch.device("cpu"), context=64)
+    expected = greedy(gen, [9, 8, 7, 6, 5], 6)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    first = gen.generate([1, 2, 3], params, (), None)
+    second = gen.generate([9, 8, 7, 6, 5], params, (), None)
+    next(first)
+    got = [next(second).token_id]
+    with pytest.raises(EmberError, match="another generation started"):
+        next(first)
+    assert got + [s.token_id for s in second] == expected

@@ -33,6 +33,8 @@ def run(tokenizer: Tokenizer, text: str, stop: tuple[str, ...]) -> tuple[list[st
         ("emoji 🎉🎉 then stop🎉", ("stop🎉",), "emoji 🎉🎉 then "),
         ("no stop here at all", ("zzz",), "no stop here at all"),
         ("ends with a partial sto", ("stop",), "ends with a partial sto"),
+        # One token (" the") holds both: the earliest in the text wins, not the first in the list.
+        ("on the hill", ("e", "t"), "on "),
     ],
 )
 def test_stop_strings(tokenizer, text, stop, expected):

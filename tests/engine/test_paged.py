@@ -291,3 +291,19 @@ def test_longrope_factors_follow_each_sequence_not_the_batch_or_a_chunk(tmp_path
     short_tokens = llm.generate([short], params)[0].outputs[0].token_ids
     assert together["short"] == pytest.approx(run({"short": short}, chunk=512)["short"], abs=1e-6)
     assert together["short"] == pytest.approx(expected(short, short_tokens), abs=1e-4)
+
+
+def test_penalties_count_the_prompt_from_the_first_token_as_the_single_stream_does(windowed_llm):
+    """The engine made a request's penalty state at its first sampled token, so that token's logits were not
+    penalised for the prompt's tokens (LLM.generate and LLM.stream differed). The sliding window (6) makes
+    a prompt's first token invisible to its last position: prepending the unpenalised answer puts it in the
+    prompt without changing the logits, and a repetition penalty must then avoid it."""
+    llm = windowed_llm
+    ids = prompts(1, seed=5)[0][:12]
+    answer = static_greedy(llm, ids, 1)[0]
+    ids = [answer] + ids
+    assert static_greedy(llm, ids, 1) == [answer]
+    params = ember.SamplingParams(max_tokens=4, temperature=0, repetition_penalty=10.0, ignore_eos=True)
+    out = llm.generate([ids], params)[0]
+    stream = [t for c in llm.stream(ids, params) for t in c.token_ids]
+    assert out.token_ids == stream and out.token_ids[0] != answer

@@ -82,6 +82,29 @@ def test_penalties():
         (dict(n=0), "n=0"),
         (dict(stop=("",)), "stop="),
         (dict(logprobs=50), "logprobs=50"),
+        # Wrong kinds were accepted, or failed deep inside (TypeError, torch's topk or manual_seed).
+        (dict(temperature="0.5"), "temperature='0.5'"),
+        (dict(temperature=None), "temperature=None"),
+        (dict(temperature=True), "temperature=True"),
+        (dict(top_p="1"), "top_p='1'"),
+        (dict(min_p=None), "min_p=None"),
+        (dict(frequency_penalty="1"), "frequency_penalty='1'"),
+        (dict(top_k=True), "top_k=True"),
+        (dict(max_tokens=True), "max_tokens=True"),
+        (dict(n=True), "n=True"),
+        (dict(logprobs=1.5), "logprobs=1.5"),
+        (dict(logprobs=True), "logprobs=True"),
+        (dict(logprobs="2"), "logprobs='2'"),
+        (dict(seed="1"), "seed='1'"),
+        (dict(seed=1.5), "seed=1.5"),
+        (dict(stop=5), "stop=5"),
+        (dict(stop_token_ids=["a"]), "stop_token_ids="),
+        (dict(stop_token_ids=[-1]), "stop_token_ids="),
+        (dict(logit_bias={1: float("nan")}), r"logit_bias\[1\]=nan"),
+        (dict(logit_bias={1: 500}), r"logit_bias\[1\]=500"),
+        (dict(logit_bias={"a": 1.0}), "logit_bias="),
+        (dict(logit_bias=[1, 2]), "logit_bias="),
+        (dict(ignore_eos="no"), "ignore_eos='no'"),
     ],
 )
 def test_invalid_params_name_the_value(kw, match):
@@ -89,6 +112,15 @@ def test_invalid_params_name_the_value(kw, match):
         SamplingParams(**kw)
     with pytest.raises(InvalidParameterError, match="outside the vocabulary"):
         SamplingTensors.build([SamplingParams(logit_bias={99: 1.0})], 4, "cpu")
+
+
+def test_none_means_empty_and_containers_are_copied():
+    bias, stop = {3: 1.0}, ["x"]
+    p = SamplingParams(stop=stop, logit_bias=bias)
+    bias[4], stop[0] = 2.0, "y"  # the caller's objects change later; the params do not
+    assert p.logit_bias == {3: 1.0} and p.stop == ("x",)
+    p = SamplingParams(stop=None, stop_token_ids=None, logit_bias=None)
+    assert (p.stop, p.stop_token_ids, p.logit_bias) == ((), (), {})
 
 
 def test_seeds_that_differ_past_32_bits_draw_different_numbers():

@@ -298,6 +298,13 @@ class EngineCore:
             incoming, self._incoming = list(self._incoming), deque()
             aborts, self._aborts = list(self._aborts), deque()
         for r in incoming:
+            if r.uses_penalties:
+                # The prompt's tokens are seen from the first sampled token on (as in the single-stream
+                # Generator): made here, on the engine thread, not in add_request.
+                V, dev = self.loaded.config.vocab_size, self.loaded.device
+                r.seen = torch.zeros(V, dtype=torch.bool, device=dev)
+                r.seen[torch.tensor(r.prompt_ids, device=dev)] = True
+                r.counts = torch.zeros(V, dtype=torch.int32, device=dev)
             self._requests[r.request_id] = r
             self.scheduler.add(r)
             self.prompt_tokens += len(r.prompt_ids)
@@ -343,12 +350,7 @@ class EngineCore:
     def _append(self, r: Request, token: int, logprobs: dict[int, float] | None) -> RequestUpdate:
         r.output_ids.append(token)
         self.generated_tokens += 1
-        if r.uses_penalties:
-            if r.seen is None:
-                V, dev = self.loaded.config.vocab_size, self.loaded.device
-                r.seen = torch.zeros(V, dtype=torch.bool, device=dev)
-                r.seen[torch.tensor(r.prompt_ids, device=dev)] = True
-                r.counts = torch.zeros(V, dtype=torch.int32, device=dev)
+        if r.seen is not None and r.counts is not None:
             r.seen[token] = True
             r.counts[token] += 1
         p = r.params

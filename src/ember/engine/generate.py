@@ -34,6 +34,7 @@ from ember.engine.kv_cache import StaticKVCache
 from ember.engine.sampler import SamplingParams, SamplingTensors, apply_penalties, make_generator, sample
 from ember.errors import (
     ContextLengthError,
+    EmberError,
     InvalidParameterError,
     NonFiniteLogitsError,
     non_finite_logits_message,
@@ -153,6 +154,7 @@ class Generator:
         if not self.dtype.is_floating_point:  # a quantized embedding: activations follow the norms
             self.dtype = model.model.norm.weight.dtype
         self.cache: StaticKVCache | None = None
+        self._owner: object | None = None  # the generation that holds the cache (see `generate`)
         self.compiled = compile
         self.compiled_prefill = compile_prefill
         self._prefill_graphs = compile_prefill and device.type == "cuda"  # one CUDA graph per padded length
@@ -257,6 +259,9 @@ class Generator:
             counts = torch.zeros(1, V, dtype=torch.int32, device=self.device)
         timings = self.timings = Timings(prompt_tokens=len(prompt))
         reader = _TokenReader(self.device)
+        # Every generation writes the one cache: a generation started while this one is suspended at a yield
+        # (two LLM.stream iterators advanced in turn) overwrites its keys and values, so this one stops.
+        owner = self._owner = object()
 
         def pick(logits: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
             """logits (1, V) -> token (1,) on the device, and (log-probs, top-k) when asked for; no sync."""
@@ -303,6 +308,11 @@ class Generator:
             yield step
             if step.finish_reason:
                 return
+            if self._owner is not owner:
+                raise EmberError(
+                    "another generation started on this model before this one finished; they share one KV "
+                    "cache, so finish (or close) one stream before starting the next"
+                )
             if not overlap:
                 next_token, next_extra = self._step(pick, token, step_pos, cache, seen, counts)
             token, extra = next_token, next_extra

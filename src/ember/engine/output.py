@@ -26,12 +26,12 @@ class TextAssembler:
 
     def _release(self, final: bool) -> str:
         pending = self._pending
-        for s in self.stop:
-            idx = pending.find(s)
-            if idx != -1:
-                self.stopped = True
-                self._pending = ""
-                return pending[:idx]
+        # The earliest stop string in the text wins, not the first in the list: one token can hold several.
+        found = [idx for s in self.stop if (idx := pending.find(s)) != -1]
+        if found:
+            self.stopped = True
+            self._pending = ""
+            return pending[: min(found)]
         if final or not self.stop:
             self._pending = ""
             return pending

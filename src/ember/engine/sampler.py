@@ -8,6 +8,7 @@ take the argmax of the processed logits. Same seed, same noise, same tokens.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -40,32 +41,56 @@ class SamplingParams:
         def bad(name: str, value: object, expected: str) -> InvalidParameterError:
             return InvalidParameterError(f"{name}={value!r} is invalid; expected {expected}")
 
+        def integer(value: object) -> bool:  # numpy's integers count; bools do not
+            return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+        def number(name: str, low: float, high: float, expected: str, *, open_low: bool = False) -> None:
+            # NaN fails every comparison; bools and strings are refused before comparing.
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise bad(name, value, expected)
+            if not (low < value if open_low else low <= value) or not value <= high:
+                raise bad(name, value, expected)
+
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        else:
-            object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", self.max_tokens, "an integer >= 1")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise bad("temperature", self.temperature, "a number in [0, 100]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        for name, kind, expected in (
+            ("stop", tuple, "a string, a list of strings or None"),
+            ("stop_token_ids", tuple, "a list of token ids or None"),
+            ("logit_bias", dict, "a {token id: bias} dict or None"),
+        ):
+            value = getattr(self, name)
+            try:  # a copy: later edits to the caller's list or dict change nothing here
+                object.__setattr__(self, name, kind(() if value is None else value))
+            except (TypeError, ValueError):
+                raise bad(name, value, expected) from None
+        if self.max_tokens is not None and (not integer(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, "an integer >= 1 or None (up to the context)")
+        number("temperature", 0.0, 100.0, "a number in [0, 100]")
+        if not integer(self.top_k) or self.top_k < -1:
             raise bad("top_k", self.top_k, "an integer >= -1 (0 or -1 disables it)")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", self.top_p, "a number in (0, 1]")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad("min_p", self.min_p, "a number in [0, 1]")
-        if not 0.0 < self.repetition_penalty <= 10.0:
-            raise bad("repetition_penalty", self.repetition_penalty, "a number in (0, 10]")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise bad(name, getattr(self, name), "a number in [-2, 2]")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", self.logprobs, "an integer in [0, 20]")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", self.n, "an integer >= 1")
+        number("top_p", 0.0, 1.0, "a number in (0, 1]", open_low=True)
+        number("min_p", 0.0, 1.0, "a number in [0, 1]")
+        number("repetition_penalty", 0.0, 10.0, "a number in (0, 10]", open_low=True)
+        number("presence_penalty", -2.0, 2.0, "a number in [-2, 2]")
+        number("frequency_penalty", -2.0, 2.0, "a number in [-2, 2]")
+        if self.seed is not None and not integer(self.seed):
+            raise bad("seed", self.seed, "an integer or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "non-empty strings")
+        if any(not integer(t) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "token ids (integers >= 0)")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", self.ignore_eos, "True or False")
+        if self.logprobs is not None and (not integer(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", self.logprobs, "an integer in [0, 20] or None")
+        for token, value in self.logit_bias.items():
+            if not integer(token) or token < 0:
+                raise bad("logit_bias", self.logit_bias, "{token id: bias} with integer token ids >= 0")
+            if not isinstance(value, numbers.Real) or isinstance(value, bool) or not -100 <= value <= 100:
+                raise bad(f"logit_bias[{token}]", value, "a number in [-100, 100]")
+        if not integer(self.n) or self.n < 1:
+            raise bad("n", self.n, "an integer >= 1")
 
     @property
     def greedy(self) -> bool:
