@@ -111,3 +111,14 @@ def test_chat_passes_other_roles_and_keys_to_the_template(llm):
         [{"role": "user", "content": "a"}, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
     )
     assert "<|im_start|>tool\n42<|im_end|>" in llm.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_generate_from_several_threads_gives_each_its_own_outputs(llm):
+    """Threads share the LLM's batching engine: each call's requests and outputs stay its own."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = ["Hello", "The sky is", "def fib(n):", "Once upon a time"]
+    want = {p: llm.generate(p, GREEDY)[0].token_ids for p in prompts}
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: llm.generate(p, GREEDY)[0].token_ids, prompts * 2))
+    assert got == [want[p] for p in prompts * 2]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numbers
 import operator
 import reprlib
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -141,6 +142,7 @@ class LLM:
         self.tokenizer = self.loaded.tokenizer
         self.engine_config = engine_config or EngineConfig()
         self._engine: EngineCore | None = None
+        self._run_lock = threading.Lock()
         self.generator = Generator(
             self.loaded.model,
             device=self.loaded.device,
@@ -246,7 +248,14 @@ class LLM:
     def _run(
         self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams
     ) -> list[RequestOutput]:
-        """Runs every prompt (n samples each) through the batching engine; outputs in prompt order."""
+        """Runs every prompt (n samples each) through the batching engine; outputs in prompt order. Calls from
+        several threads take turns: they share the engine, its step loop and its request ids."""
+        with self._run_lock:
+            return self._run_batch(prompts, params)
+
+    def _run_batch(
+        self, prompts: list[tuple[str | None, list[int]]], params: SamplingParams
+    ) -> list[RequestOutput]:
         core = self.engine()
         for i, (_, ids) in enumerate(prompts):  # every prompt is checked before any runs
             try:
