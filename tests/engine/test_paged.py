@@ -166,6 +166,20 @@ def test_request_that_can_never_fit_is_refused(windowed_llm):
         core.add_request("long", [5] * 600, ember.SamplingParams(max_tokens=4))
     with pytest.raises(ContextLengthError, match="max_tokens=100"):
         core.add_request("long", [5] * 500, ember.SamplingParams(max_tokens=100))
+    with pytest.raises(ContextLengthError, match="needs 17 tokens of KV cache, which holds 16"):
+        core.add_request("full", list(range(3, 19)), ember.SamplingParams(max_tokens=None))
+
+
+def test_max_tokens_none_runs_up_to_what_the_kv_cache_holds(windowed_llm):
+    """A context (512) larger than the KV cache (16 tokens): max_tokens=None generates until the cache is full,
+    not a ContextLengthError for the whole context."""
+    llm = windowed_llm
+    core = EngineCore(llm.loaded, EngineConfig(kv_cache_memory=core_block_bytes(llm, 4) * 5, block_size=4))
+    params = ember.SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    core.add_request("open", list(range(3, 10)), params)
+    updates = core.run_to_completion()["open"]
+    assert sum(len(u.token_ids) for u in updates) == 16 - 7
+    assert updates[-1].finish_reason == "length"
 
 
 def test_prefix_cache_shares_blocks_and_abort_frees_them(windowed_llm):

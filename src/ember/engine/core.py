@@ -222,8 +222,13 @@ class EngineCore:
 
     # -- intake (any thread) -------------------------------------------------------------------------------
 
+    def token_capacity(self) -> int:
+        """The most tokens (prompt and generated) one request can hold: the KV cache's, at most the context."""
+        return min(self.context, self.blocks.capacity * self.config.block_size)
+
     def max_tokens_for(self, prompt_len: int, params: SamplingParams) -> int:
-        return params.max_tokens if params.max_tokens is not None else self.context - prompt_len
+        """max_tokens, or where it is None as many as the request can hold (`token_capacity`)."""
+        return params.max_tokens if params.max_tokens is not None else self.token_capacity() - prompt_len
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Raises ContextLengthError, naming the counts, for a request that can never run (InvalidParameterError
@@ -240,6 +245,10 @@ class EngineCore:
                 f"{self.context} ({self.context - n} tokens left)"
             )
         capacity = self.blocks.capacity * self.config.block_size
+        if n >= capacity:
+            raise ContextLengthError(
+                f"prompt ({n} tokens) plus one new token needs {n + 1} tokens of KV cache, which holds {capacity}"
+            )
         if total > capacity:
             raise ContextLengthError(
                 f"prompt ({n} tokens) plus max_tokens needs {total} tokens of KV cache, which holds {capacity}"
