@@ -6,6 +6,8 @@ prints that line and exits non-zero; the server maps it to an OpenAI-style 4xx. 
 `assert` and are bugs, not user errors.
 """
 
+import numbers
+
 
 class EmberError(Exception):
     """Base class for errors caused by user input; the message is shown as is."""
@@ -54,11 +56,11 @@ class InvalidParameterError(EmberError, ValueError):
 
 
 def check_count(name: str, value: object, *, optional: bool = False) -> None:
-    """Raises InvalidParameterError naming `name` unless `value` is an int >= 1 (a bool is not), or None
-    where `optional`."""
+    """Raises InvalidParameterError naming `name` unless `value` is an integer >= 1 (numpy's count, a bool does
+    not), or None where `optional`."""
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise InvalidParameterError(
             f"{name}={value!r} is invalid; expected an integer >= 1" + (" or None" if optional else "")
         )

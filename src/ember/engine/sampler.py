@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ember.errors import InvalidParameterError
+from ember.errors import InvalidParameterError, check_count
 from ember.ops.argmax import argmax
 
 
@@ -64,8 +64,7 @@ class SamplingParams:
                 object.__setattr__(self, name, kind(() if value is None else value))
             except (TypeError, ValueError):
                 raise bad(name, value, expected) from None
-        if self.max_tokens is not None and (not integer(self.max_tokens) or self.max_tokens < 1):
-            raise bad("max_tokens", self.max_tokens, "an integer >= 1 or None (up to the context)")
+        check_count("max_tokens", self.max_tokens, optional=True)  # None: up to what the context holds
         number("temperature", 0.0, 100.0, "a number in [0, 100]")
         if not integer(self.top_k) or self.top_k < -1:
             raise bad("top_k", self.top_k, "an integer >= -1 (0 or -1 disables it)")
@@ -89,8 +88,7 @@ class SamplingParams:
                 raise bad("logit_bias", self.logit_bias, "{token id: bias} with integer token ids >= 0")
             if not isinstance(value, numbers.Real) or isinstance(value, bool) or not -100 <= value <= 100:
                 raise bad(f"logit_bias[{token}]", value, "a number in [-100, 100]")
-        if not integer(self.n) or self.n < 1:
-            raise bad("n", self.n, "an integer >= 1")
+        check_count("n", self.n)
 
     @property
     def greedy(self) -> bool:
