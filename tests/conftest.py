@@ -97,13 +97,21 @@ def load_hf_dir(path: Path):
     )
 
 
-def run_cached(model, ids: torch.Tensor, split: int, max_seq_len: int = 64) -> torch.Tensor:
-    """Prefill ids[:, :split], then decode the rest one token at a time; logits (B, T, V) for every position."""
+def run_cached(
+    model, ids: torch.Tensor, split: int, max_seq_len: int = 64, prompts_from_start: bool = False
+) -> torch.Tensor:
+    """Prefill ids[:, :split], then decode the rest one token at a time; logits (B, T, V) for every position.
+    `prompts_from_start`: the prefill attends over its own slots only (see StaticKVCache)."""
     from ember.engine.kv_cache import StaticKVCache
 
     B, T = ids.shape
     cache = StaticKVCache(
-        model.config, batch_size=B, max_seq_len=max_seq_len, device="cpu", dtype=torch.float32
+        model.config,
+        batch_size=B,
+        max_seq_len=max_seq_len,
+        device="cpu",
+        dtype=torch.float32,
+        prompts_from_start=prompts_from_start,
     )
     pos = torch.arange(T)[None].expand(B, -1)
     outs = [model.compute_logits(model(ids[:, :split], pos[:, :split], cache))]

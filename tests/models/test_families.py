@@ -191,9 +191,14 @@ def test_logits_match_transformers(pair):
     case, ref, model = pair
     ids = torch.randint(3, BASE["vocab_size"], (2, PROMPT))
     expected = ref(ids).logits
-    assert (run_cached(model, ids, split=PROMPT, max_seq_len=MAX_SEQ) - expected).abs().max() <= 1e-4
-    # A short prefill, then decode steps that run past the sliding window: every cached step matches.
-    assert (run_cached(model, ids, split=CASES[case][2], max_seq_len=MAX_SEQ) - expected).abs().max() <= 1e-4
+    # The prefill over all slots behind a mask, and over the prompt's own slots (causal, or masked where a
+    # sliding window hides part of the prompt).
+    for from_start in (False, True):
+        got = run_cached(model, ids, split=PROMPT, max_seq_len=MAX_SEQ, prompts_from_start=from_start)
+        assert (got - expected).abs().max() <= 1e-4
+        # A short prefill, then decode steps that run past the sliding window: every cached step matches.
+        got = run_cached(model, ids, split=CASES[case][2], max_seq_len=MAX_SEQ, prompts_from_start=from_start)
+        assert (got - expected).abs().max() <= 1e-4
 
 
 @torch.no_grad()

@@ -197,7 +197,12 @@ class Generator:
         size = min(self.context, -(-length // CACHE_ROUNDING) * CACHE_ROUNDING)
         if self.cache is None or self.cache.max_seq_len < size:
             self.cache = StaticKVCache(
-                self.model.config, batch_size=1, max_seq_len=size, device=self.device, dtype=self.dtype
+                self.model.config,
+                batch_size=1,
+                max_seq_len=size,
+                device=self.device,
+                dtype=self.dtype,
+                prompts_from_start=True,  # `_run_prefill` runs whole prompts from position 0
             )
             if (self.compiled and self.device.type == "cuda") or self._prefill_graphs:
                 # Static addresses let the CUDA graphs write the cache in place instead of copying it.

@@ -5,6 +5,12 @@ slots, and a mask hides the slots after the query's position (and, for sliding-w
 `window` or more positions behind it). Rows of a batch may sit at different positions. CPU decode steps
 (one token per row) attend with `grouped_decode_attention`, plain matmuls that beat SDPA's kernel there; CUDA decode
 steps with `ember::decode_attention`, a Triton kernel that reads only the slots up to each row's position.
+
+A cache made with `prompts_from_start` (the Generator's, perplexity's) is promised that every forward of more
+than one token a row is a whole prompt at positions 0..T-1: that forward attends over its own T slots only,
+causally (masked only where a sliding window hides part of the prompt), not over all S behind a mask. A
+128-token prompt in a 2048-slot cache then reads a sixteenth of the keys, and SDPA skips the blocks above the
+diagonal: SmolLM2's compiled CPU prefill, 2 threads, 361 -> 605 tok/s (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -28,12 +34,14 @@ class StaticKVCache:
         max_seq_len: int,
         device: torch.device | str,
         dtype: torch.dtype,
+        prompts_from_start: bool = False,
     ) -> None:
         shape = (batch_size, cfg.num_kv_heads, max_seq_len, cfg.head_dim)  # (B, K, S, D)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
+        self.prompts_from_start = prompts_from_start
         self.windows = sorted(
             {cfg.window(i) for i in range(cfg.num_layers)}, key=lambda w: (w is None, w or 0)
         )
@@ -53,9 +61,20 @@ class StaticKVCache:
         return None  # one sequence a row
 
     def begin(self, positions: torch.Tensor) -> None:
-        """Called once per forward with positions (B, T): builds each window's mask once for all layers."""
+        """Called once per forward with positions (B, T): builds each window's mask once for all layers (a
+        prompt from slot 0 needs one only where a window hides part of it; see `prompts_from_start`)."""
         self._positions = positions
-        self._masks = {w: causal_mask(positions, self._slots, w) for w in self.windows}
+        T = positions.shape[1]
+        if self._whole_prompt(T):
+            slots = self._slots[:, :T]
+            self._masks = {
+                w: causal_mask(positions, slots, w) for w in self.windows if w is not None and w < T
+            }
+        else:
+            self._masks = {w: causal_mask(positions, self._slots, w) for w in self.windows}
+
+    def _whole_prompt(self, T: int) -> bool:
+        return self.prompts_from_start and T > 1
 
     def attend(
         self,
@@ -99,6 +118,17 @@ class StaticKVCache:
         if T == 1 and softcap is None and q.device.type == "cpu":  # CPU decode (measured there only)
             k_all, v_all, mask = self.k[layer][:B], self.v[layer][:B], self._masks[window][:B]
             return grouped_decode_attention(q, k_all, v_all, mask, scale)
+        if self._whole_prompt(T):  # its own T slots; causal unless a window hides part of them
+            mask = self._masks.get(window)
+            out = sdpa_attention(
+                q.transpose(1, 2),  # (B, H, T, D)
+                k.transpose(1, 2),  # (B, K, T, D), what was just written to slots 0..T-1
+                v.transpose(1, 2),
+                None if mask is None else mask[:B],
+                scale=scale,
+                softcap=softcap,
+            )
+            return out.transpose(1, 2)  # (B, T, H, D)
         out = sdpa_attention(
             q.transpose(1, 2),  # (B, H, T, D)
             self.k[layer][:B],

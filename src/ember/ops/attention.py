@@ -15,15 +15,23 @@ def sdpa_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: torch.Tensor,
+    mask: torch.Tensor | None,
     *,
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """q (B, H, T, D), k and v (B, K, S, D), mask (B or 1, 1, T, S) bool with True = visible -> (B, H, T, D)."""
+    """q (B, H, T, D), k and v (B, K, S, D), mask (B or 1, 1, T, S) bool with True = visible -> (B, H, T, D).
+
+    mask None: causal over a prompt's own keys (S == T, query t sees keys 0..t), which lets SDPA's kernels skip
+    the blocks above the diagonal instead of reading a mask."""
     H, K = q.shape[1], k.shape[1]
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != K)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=H != K
+        )
+    if mask is None:
+        T = q.shape[2]
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     if H != K:
         k = k.repeat_interleave(H // K, dim=1)  # (B, H, S, D)
         v = v.repeat_interleave(H // K, dim=1)

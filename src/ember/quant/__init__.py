@@ -337,7 +337,12 @@ def perplexity(model: nn.Module, tokens: torch.Tensor) -> float:
     T = tokens.shape[1]
     device = tokens.device
     cache = StaticKVCache(
-        model.config, batch_size=1, max_seq_len=T, device=device, dtype=model.model.norm.weight.dtype
+        model.config,
+        batch_size=1,
+        max_seq_len=T,
+        device=device,
+        dtype=model.model.norm.weight.dtype,
+        prompts_from_start=True,
     )
     with torch.inference_mode():
         hidden = model(tokens, torch.arange(T, device=device)[None], cache)  # (1, T, E)
