@@ -3,6 +3,10 @@ default, any model with `--model`.
 
 python benchmarks/quality_smollm2.py
 python benchmarks/quality_smollm2.py --model gemma3-270m --schemes int8 int4-g32
+
+The last column runs the prompt through the compiled forward (`--compile-prefill`'s path): on CPU, int4 and int8
+weight-only projections there are dequantized for a GEMM in `ember.quant.linear.CPU_GEMM_DTYPE` (bf16 on CPUs
+with bf16 dot products) instead of torch's weight-only kernels.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import argparse
 import torch
 
 from ember.loading.checkpoint import load
-from ember.quant import perplexity, quantize_model
+from ember.quant import linear, perplexity, quantize_model
 
 TEXT = (
     "The French Revolution was a period of political and societal change in France that began with the Estates "
@@ -43,7 +47,8 @@ def main() -> None:
     ref = perplexity(base.model, tokens)
     print(
         f"{'scheme':<10}{'loaded with it':>16}{'vs float32':>12}"
-        f"{'float, then quantized':>24}{'vs float32':>12}   ({args.model}, {tokens.shape[1]} tokens)"
+        f"{'float, then quantized':>24}{'vs float32':>12}{'compiled':>12}{'vs float32':>12}"
+        f"   ({args.model}, {tokens.shape[1]} tokens, CPU GEMMs in {linear.CPU_GEMM_DTYPE})"
     )
     print(f"{'float32':<10}{ref:>16.4f}")
     for scheme in args.schemes:
@@ -57,7 +62,11 @@ def main() -> None:
                 quantize_model(load(args.model, device="cpu", progress=False).model, scheme), tokens
             )
             line += f"{b:>24.4f}{100 * (b - ref) / ref:>+11.2f}%"
-        print(line)
+        else:
+            line += " " * 36
+        c = perplexity(torch.compile(loaded, dynamic=True), tokens)
+        line += f"{c:>12.4f}{100 * (c - ref) / ref:>+11.2f}%"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ Shape legend: N output features, K input features, g group size, M rows of activ
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,12 +27,36 @@ from torch.compiler import is_compiling
 
 from ember.quant import kernels
 
-# From this many rows a compiled CPU forward of an int4 or int8 weight-only projection dequantizes to float32
-# (one fused inductor pass) and runs a float32 GEMM instead of torch's `_weight_int4pack_mm_for_cpu` /
-# `_weight_int8pack_mm`, whose time grows about linearly with the rows (2-core Xeon, SmolLM2's projections,
-# 2 threads, int4: 1.1-1.3x faster at 96 rows, 1.3-1.5x at 128, 2.0-2.2x at 512, even to slower at 64; int8:
-# 1.5-1.9x at 128, 2.1-2.4x at 512). Eager, the unfused dequantize costs more than it saves.
-CPU_DEQUANT_ROWS = 96
+
+def _cpu_has_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16), from /proc/cpuinfo (other
+    systems answer False); EMBER_CPU_BF16=0 or 1 decides instead."""
+    forced = os.environ.get("EMBER_CPU_BF16")
+    if forced in ("0", "1"):
+        return forced == "1"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return bool(set(line.split(":", 1)[1].split()) & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+# The dtype of the GEMMs below, decided at import (a compiled forward reads it as a constant): bf16 where the
+# CPU multiplies it natively, else float32. A 2-core Zen 4 (AVX512-BF16) runs oneDNN's bf16 GEMM at 2.2-2.6x
+# MKL's float32 rate at SmolLM2's shapes and 128 rows, and SmolLM2's int4-g32 compiled prefill at 1.7x
+# (BENCHMARKS.md); without the instructions bf16 is emulated, slower than float32.
+CPU_GEMM_DTYPE: torch.dtype = torch.bfloat16 if _cpu_has_bf16() else torch.float32
+# From this many rows a compiled CPU forward of an int4 or int8 weight-only projection dequantizes its weights
+# (one fused inductor pass) and runs a GEMM in CPU_GEMM_DTYPE instead of torch's `_weight_int4pack_mm_for_cpu`
+# / `_weight_int8pack_mm`, whose time grows about linearly with the rows. float32 GEMMs (2-core Xeon, SmolLM2's
+# projections, 2 threads) win from 96 rows (int4: 1.1-1.3x faster at 96, 1.3-1.5x at 128, 2.0-2.2x at 512,
+# even to slower at 64; int8: 1.5-1.9x at 128, 2.1-2.4x at 512); bf16 GEMMs (2-core Zen 4) from 64 (int4:
+# 1.15-1.5x at 64, 1.4-1.7x at 96; even at 48, slower at 32). Eager, the unfused dequantize costs more than it
+# saves.
+CPU_DEQUANT_ROWS = 64 if CPU_GEMM_DTYPE is torch.bfloat16 else 96
 # Below this many rows that path multiplies int4 weights as two halves of K (even and odd k: the nibbles as they
 # lie, dequantized in one fused pass) instead of interleaving them back, which inductor does in a separate
 # copy (SmolLM2 int4-g32 compiled prefill, same machine: 691-720 -> 791-847 tok/s at 128 tokens, even at 512,
@@ -56,15 +82,20 @@ def float_gemm_as_kernel(
     scales: torch.Tensor | None = None,
 ):
     """x (M, K) @ weight (N, K) float32 .T (times per-row `scales` after the sum) with torch's CPU weight-only
-    kernels' rounding: bf16 activations and a bf16 result, in float32. Compiled, inductor fuses the weight's
-    dequantize into one vectorized pass and the rest is a float32 GEMM. `weight` may also be the pair (N, K/2)
-    of its columns at even and at odd k, multiplied by x's even and odd columns: int4 nibbles dequantize into
-    those contiguous halves, where interleaving them back costs inductor an unfused copy."""
-    xb = round_bf16(x.float())
+    kernels' rounding of the activations and the result (bf16), in float32. Compiled, inductor fuses the
+    weight's dequantize into one vectorized pass and the rest is one GEMM, in `CPU_GEMM_DTYPE` (bf16: the
+    weights rounded to bf16 as well, float32 sums). `weight` may also be the pair (N, K/2) of its columns at
+    even and at odd k, multiplied by x's even and odd columns: int4 nibbles dequantize into those contiguous
+    halves, where interleaving them back costs inductor an unfused copy."""
+    dtype = CPU_GEMM_DTYPE
+    xb = round_bf16(x.float()).to(dtype)
     if isinstance(weight, tuple):
-        y = F.linear(xb[:, 0::2], weight[0]) + F.linear(xb[:, 1::2], weight[1])
+        y = (
+            F.linear(xb[:, 0::2], weight[0].to(dtype)).float()
+            + F.linear(xb[:, 1::2], weight[1].to(dtype)).float()
+        )
     else:
-        y = F.linear(xb, weight)
+        y = F.linear(xb, weight.to(dtype)).float()
     return round_bf16(y if scales is None else y * scales)
 
 
@@ -363,20 +394,20 @@ class Int4WeightOnlyLinear(QuantLinear):
         }
         return kinds[self._kernel]
 
-    def _tinygemm_weights(self, rows: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The float32 weights torch's int4 kernels multiply by, (q - 8) * scale + zero from the bf16 pairs of
-        `tinygemm_layout`: (N, K), or below HALVES_ROWS rows the pair (N, K/2) at even and at odd k (low and
-        high nibbles, see `float_gemm_as_kernel`)."""
+    def _float_weights(self, rows: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The float32 weights, q * scale + min from the canonical codes, scales and mins: (N, K), or below
+        HALVES_ROWS rows the pair (N, K/2) at even and at odd k (low and high nibbles, see
+        `float_gemm_as_kernel`). Written for inductor's vectorizer: the nibbles come out of a byte's float
+        value by floor and subtract (shifts of uint8 and the kernel layout's (K/g, N) scales each made it loop
+        one weight at a time, 7x slower: 1.3 ms a call for SmolLM2's gate/up on 2 Zen 4 threads, now 0.19)."""
         N, K, g = self.out_features, self.in_features, self.group_size
-        scale, zero = self._sz.float().transpose(0, 1).unbind(-1)  # (N, K/g) each
+        byte = self.qweight.reshape(N, K // g, g // 2).float()  # a byte's two k are in one group
+        high = torch.floor(byte * 0.0625)
+        low = byte - 16.0 * high
+        scale, low_min = self.scales[..., None], self.mins[..., None]  # (N, K/g, 1)
         if rows >= HALVES_ROWS:
-            codes = unpack_nibbles(self.qweight).float().reshape(N, K // g, g)
-            return ((codes - 8) * scale[..., None] + zero[..., None]).reshape(N, K)
-        nibbles = self.qweight.reshape(N, K // g, g // 2)  # a byte's two k are in one group
-        return tuple(
-            ((((nibbles >> shift) & 0xF).float() - 8) * scale[..., None] + zero[..., None]).reshape(N, K // 2)
-            for shift in (0, 4)
-        )
+            return torch.stack((low * scale + low_min, high * scale + low_min), dim=-1).reshape(N, K)
+        return tuple((codes * scale + low_min).reshape(N, K // 2) for codes in (low, high))
 
     def split_forward(self, x: torch.Tensor) -> torch.Tensor | kernels.SplitSum:
         """forward(x); or, for one decode row on CUDA where the tiled GEMV splits K, its float32 partial sums
@@ -399,9 +430,9 @@ class Int4WeightOnlyLinear(QuantLinear):
         elif self._kernel == "tiled":
             y = kernels.int4_tiled_linear(x2, self._words, self._tsz, self.group_size)
         elif self._kernel == "tinygemm" and cpu_float_gemm(x2):
-            # The kernel's weights, from its bf16 scale/zero pairs: compiled and eager differ only in the order
-            # of float32 sums.
-            y = float_gemm_as_kernel(x2, self._tinygemm_weights(x2.shape[0])).to(x.dtype)
+            # The canonical weights (the kernel's are their bf16-rounded scale and zero): compiled and eager
+            # agree to a bf16 rounding.
+            y = float_gemm_as_kernel(x2, self._float_weights(x2.shape[0])).to(x.dtype)
         elif self._kernel == "tinygemm":
             # bf16 activations: the only dtype of the CUDA kernel, and the CPU kernel's float32 path is not
             # vectorised (measured ~60x slower on AVX-512).
