@@ -1,13 +1,17 @@
-"""Ember's compiled decode step vs llama.cpp's, one step each in turn, in one process (SmolLM2, this CPU).
+"""Ember's compiled decode step vs llama.cpp's, one step each in turn, in one process (SmolLM2, this CPU); and
+their prefills, with transformers', in turn as well.
 
-On a shared VM the speed of a process drifts by 10-20% from minute to minute, so two engines measured one
-after the other can swap places. Here both generate from the same 128-token prompt and take their decode
-steps alternately (Ember's step, llama.cpp's step, ...), so any drift hits both alike; the table gives the
-median step of each over all rounds, and the median of the per-round medians.
+On a shared VM the speed of a process drifts by 10-20% from minute to minute (and for minutes at a time by
+1.5x), so two engines measured one after the other can swap places. Here both generate from the same 128-token
+prompt and take their decode steps alternately (Ember's step, llama.cpp's step, ...), so any drift hits both
+alike; the table gives the median step of each over all rounds, and the median of the per-round medians. Each
+round starts with the engines' prefills of the prompt, one after the other (Ember's compiled prefill, to the
+first token; llama.cpp's; with `--transformers`, transformers' float32 forward as its `generate` runs it,
+logits of the last position only).
 
     PYTHONPATH=src taskset -c 0,1 python benchmarks/cpu_interleaved.py --scheme int4-g32 --rounds 5
 
-Needs llama-cpp-python (built as BENCHMARKS.md says).
+Needs llama-cpp-python (built as BENCHMARKS.md says), and transformers for `--transformers`.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--transformers", action="store_true", help="also time transformers' prefill in turn")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     scheme = None if args.scheme == "none" else args.scheme
@@ -60,7 +65,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.new_tokens + 1, temperature=0.0, ignore_eos=True)
     engines = {
         f"Ember {args.scheme} (compiled)": Generator(
-            loaded.model, device=torch.device("cpu"), context=512, compile=True
+            loaded.model, device=torch.device("cpu"), context=512, compile=True, compile_prefill=True
         ),
         "llama.cpp (GGUF weights)": LlamaCppSteps(str(resolve(DEFAULT_MODEL).path), args.threads),
     }
@@ -69,12 +74,23 @@ def main() -> None:
         for _ in engine.generate(prompt, params, (), None):
             pass
         print(f"{name}: warm-up {time.perf_counter() - t:.1f} s", flush=True)
+    prefill_fns = {}
+    if args.transformers:
+        prefill_fns["transformers fp32 (eager)"] = transformers_prefill(prompt)
+        prefill_fns["transformers fp32 (eager)"]()  # warm-up
     steps: dict[str, list[float]] = {n: [] for n in engines}
     round_medians: dict[str, list[float]] = {n: [] for n in engines}
+    prefills: dict[str, list[float]] = {n: [] for n in [*engines, *prefill_fns]}
     for r in range(args.rounds):
         streams = {n: e.generate(prompt, params, (), None) for n, e in engines.items()}
-        for stream in streams.values():
+        for name, stream in streams.items():
+            t = time.perf_counter()
             next(stream)  # the prefill and the first token
+            prefills[name].append(time.perf_counter() - t)
+        for name, fn in prefill_fns.items():
+            t = time.perf_counter()
+            fn()
+            prefills[name].append(time.perf_counter() - t)
         this_round: dict[str, list[float]] = {n: [] for n in engines}
         for _ in range(args.new_tokens):
             for name, stream in streams.items():
@@ -95,6 +111,32 @@ def main() -> None:
             f"{name:<34}{m * 1e3:>18.2f}{1 / m:>8.1f}{statistics.median(round_medians[name]):>23.2f}"
             f"{ref / m:>13.2f}x"
         )
+    print(
+        f"\n{'prefill (128 tokens)':<34}{'median (ms)':>18}{'tok/s':>8}{'vs llama.cpp':>14}{'vs transformers':>17}"
+    )
+    ref = statistics.median(prefills["llama.cpp (GGUF weights)"])
+    tf = statistics.median(prefills[next(iter(prefill_fns))]) if prefill_fns else None
+    for name, times in prefills.items():
+        m = statistics.median(times)
+        vs_tf = f"{tf / m:>16.2f}x" if tf else ""
+        print(f"{name:<34}{m * 1e3:>18.2f}{len(prompt) / m:>8.1f}{ref / m:>13.2f}x{vs_tf}")
+
+
+def transformers_prefill(prompt: list[int]):
+    """transformers' float32 model of the same GGUF; a call runs the prompt as its `generate` prefills it."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    path = Path(resolve(DEFAULT_MODEL).path)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+
+    @torch.inference_mode()
+    def run():
+        return model(ids, logits_to_keep=1).logits
+
+    return run
 
 
 if __name__ == "__main__":
