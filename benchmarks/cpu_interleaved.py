@@ -10,6 +10,10 @@ first token; llama.cpp's; with `--transformers`, transformers' float32 forward a
 logits of the last position only).
 
     PYTHONPATH=src taskset -c 0,1 python benchmarks/cpu_interleaved.py --scheme int4-g32 --rounds 5
+    PYTHONPATH=src taskset -c 0,1 python benchmarks/cpu_interleaved.py --turns round --rounds 9
+
+Step by step, each engine's step starts with the other's weights in the caches; `--turns round` runs one
+engine's steps of a round together, then the other's (drift then cancels only over rounds, so take more).
 
 Needs llama-cpp-python (built as BENCHMARKS.md says), and transformers for `--transformers`.
 """
@@ -56,6 +60,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--transformers", action="store_true", help="also time transformers' prefill in turn")
+    ap.add_argument(
+        "--turns",
+        choices=["step", "round"],
+        default="step",
+        help="decode steps alternate each step (drift cancels finely, but each engine's step follows the other's "
+        "and finds its own weights evicted from the caches) or each round (all of one engine's steps, then the "
+        "other's)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     scheme = None if args.scheme == "none" else args.scheme
@@ -92,11 +104,18 @@ def main() -> None:
             fn()
             prefills[name].append(time.perf_counter() - t)
         this_round: dict[str, list[float]] = {n: [] for n in engines}
-        for _ in range(args.new_tokens):
+        if args.turns == "step":
+            for _ in range(args.new_tokens):
+                for name, stream in streams.items():
+                    t = time.perf_counter()
+                    next(stream)
+                    this_round[name].append(time.perf_counter() - t)
+        else:  # each engine's steps of the round together: no other engine's weights between two of its steps
             for name, stream in streams.items():
-                t = time.perf_counter()
-                next(stream)
-                this_round[name].append(time.perf_counter() - t)
+                for _ in range(args.new_tokens):
+                    t = time.perf_counter()
+                    next(stream)
+                    this_round[name].append(time.perf_counter() - t)
         for name, times in this_round.items():
             steps[name] += times
             round_medians[name].append(statistics.median(times) * 1e3)
