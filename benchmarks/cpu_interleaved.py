@@ -104,18 +104,15 @@ def main() -> None:
             fn()
             prefills[name].append(time.perf_counter() - t)
         this_round: dict[str, list[float]] = {n: [] for n in engines}
+        n = args.new_tokens
         if args.turns == "step":
-            for _ in range(args.new_tokens):
-                for name, stream in streams.items():
-                    t = time.perf_counter()
-                    next(stream)
-                    this_round[name].append(time.perf_counter() - t)
+            order = [name for _ in range(n) for name in streams]
         else:  # each engine's steps of the round together: no other engine's weights between two of its steps
-            for name, stream in streams.items():
-                for _ in range(args.new_tokens):
-                    t = time.perf_counter()
-                    next(stream)
-                    this_round[name].append(time.perf_counter() - t)
+            order = [name for name in streams for _ in range(n)]
+        for name in order:
+            t = time.perf_counter()
+            next(streams[name])
+            this_round[name].append(time.perf_counter() - t)
         for name, times in this_round.items():
             steps[name] += times
             round_medians[name].append(statistics.median(times) * 1e3)

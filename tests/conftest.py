@@ -97,6 +97,17 @@ def load_hf_dir(path: Path):
     )
 
 
+def tiny_random_model(monkeypatch, window: int | None = None):
+    """bench's random "tiny" Llama in float32 on CPU; with `window`, a Mistral of that sliding window."""
+    from ember.bench import RANDOM_SHAPES, random_model
+
+    shape = dict(RANDOM_SHAPES["tiny"])
+    if window:
+        shape.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=window)
+    monkeypatch.setitem(RANDOM_SHAPES, "tiny-test", shape)
+    return random_model("tiny-test", device="cpu", dtype=torch.float32)
+
+
 def run_cached(
     model, ids: torch.Tensor, split: int, max_seq_len: int = 64, prompts_from_start: bool = False
 ) -> torch.Tensor:

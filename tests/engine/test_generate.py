@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ember.bench import RANDOM_SHAPES, random_model
+from ember.bench import random_model
 from ember.engine.generate import Generator, prefill_length
 from ember.engine.sampler import SamplingParams
 from ember.quant import quantize_model
+from tests.conftest import tiny_random_model
 
 
 def greedy(gen: Generator, prompt: list[int], n: int) -> list[int]:
@@ -37,11 +38,7 @@ def test_a_padded_prefill_changes_no_token_or_logprob(window, monkeypatch):
     """CUDA-graph prefills run at `prefill_length`s with the prompt padded at its end: nothing the prompt's
     positions attend to changes (a sliding window too), and the cache slots the padding writes are each
     written again by a decode step before any query reads them."""
-    shape = dict(RANDOM_SHAPES["tiny"])
-    if window:
-        shape.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=window)
-    monkeypatch.setitem(RANDOM_SHAPES, "tiny-test", shape)
-    model = random_model("tiny-test", device="cpu", dtype=torch.float32)
+    model = tiny_random_model(monkeypatch, window)
     prompt = torch.randint(0, model.config.vocab_size, (21,), generator=torch.Generator().manual_seed(1))
     params = SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True)
     plain = Generator(model, device=torch.device("cpu"), context=64)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from ember.ops.attention import causal_mask, grouped_decode_attention, sdpa_attention
+from tests.conftest import run_cached, tiny_random_model
 
 
 @pytest.mark.parametrize(("H", "K", "window"), [(9, 3, None), (4, 4, None), (8, 2, 5)])
@@ -27,25 +28,11 @@ def test_a_prompt_from_slot_0_attends_over_its_own_slots_as_over_all_of_them(win
     """A `prompts_from_start` cache attends a prompt over its T slots (causal, masked where a sliding window
     hides part of it: T just above the window is the edge) and gives what the full S-slot mask gives, then
     and in the decode steps after it."""
-    from ember.bench import RANDOM_SHAPES, random_model
-    from ember.engine.kv_cache import StaticKVCache
-
-    shape = dict(RANDOM_SHAPES["tiny"])
-    if window:
-        shape.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=window)
-    monkeypatch.setitem(RANDOM_SHAPES, "tiny-test", shape)
-    model = random_model("tiny-test", device="cpu", dtype=torch.float32)
+    model = tiny_random_model(monkeypatch, window)
     ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         for T in (2, 5, 6, 7, 8):
-            outs = []
-            for from_start in (False, True):
-                cache = StaticKVCache(
-                    model.config, batch_size=1, max_seq_len=32, device="cpu", dtype=torch.float32,
-                    prompts_from_start=from_start,
-                )  # fmt: skip
-                pos = torch.arange(12)[None]
-                h = [model(ids[:, :T], pos[:, :T], cache)]
-                h += [model(ids[:, t : t + 1], pos[:, t : t + 1], cache) for t in range(T, 12)]
-                outs.append(torch.cat(h, dim=1))
-            torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+            whole, own = (
+                run_cached(model, ids, T, max_seq_len=32, prompts_from_start=f) for f in (False, True)
+            )
+            torch.testing.assert_close(own, whole, atol=1e-5, rtol=1e-5)
