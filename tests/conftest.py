@@ -131,6 +131,21 @@ def run_cached(
     return torch.cat(outs, dim=1)
 
 
+def assert_greedy(model, prompt: list[int], tokens: list[int], near_tie: float = 1e-3) -> None:
+    """Teacher-forces `tokens` after `prompt` through `model` in one eager forward: each must be the argmax of
+    the logits before it, or score within `near_tie` of it (sums in another order, a compiled step's, may
+    break a near-tie the other way, and a greedy path goes on differently from there)."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.inference_mode():
+        logits = run_cached(model, ids, ids.shape[1], max_seq_len=ids.shape[1])[0, len(prompt) - 1 : -1]
+    gaps = logits.max(dim=-1).values - logits[torch.arange(len(tokens)), torch.tensor(tokens)]
+    worst = int(gaps.argmax())
+    assert gaps[worst] <= near_tie, (
+        f"token {worst} ({tokens[worst]}) scores {gaps[worst].item():.2e} below the argmax "
+        f"({int(logits[worst].argmax())})"
+    )
+
+
 def compile_for_sm90(script: str) -> dict:
     """Runs `script`, which compiles Triton kernels for sm90 and prints one JSON object last (or {"skip":
     why} where this Triton cannot), in a process of its own: this one runs Triton's interpreter. Skips the

@@ -13,6 +13,7 @@ from ember.engine.aoti import AOTIDecodeStep
 from ember.engine.generate import Generator
 from ember.engine.sampler import SamplingParams
 from ember.quant import quantize_model
+from tests.conftest import assert_greedy
 
 CPU = torch.device("cpu")
 
@@ -28,7 +29,7 @@ def tiny(quantize: str | None):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("quantize", [None, "int4-g32"])  # int4-g32: aten's int4 op and ember::int8_linear
+@pytest.mark.parametrize("quantize", [None, "int4-g32"])  # int4-g32: Ember's CPU int4 and int8 kernels
 def test_aoti_decode_matches_eager_and_is_reused(quantize, tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
     model = tiny(quantize)
@@ -38,8 +39,10 @@ def test_aoti_decode_matches_eager_and_is_reused(quantize, tmp_path, monkeypatch
     expected = greedy(eager, prompt, 12)
     assert greedy(compiled, prompt, 12) == expected
     assert isinstance(compiled._decode, AOTIDecodeStep)
-    # A longer request grows the cache from 256 to 512 slots; the cache length is dynamic in the package.
-    assert greedy(compiled, prompt[:5], 300) == greedy(eager, prompt[:5], 300)
+    # A longer request grows the cache from 256 to 512 slots; the cache length is dynamic in the package. Over
+    # 300 tokens the random model meets near-ties, which int8 activation codes (int4's CPU kernel) may break
+    # either way: each token is eager's argmax or a near-tie of it.
+    assert_greedy(model, prompt[:5], greedy(compiled, prompt[:5], 300))
     assert compiled.cache.max_seq_len == 512
     assert len(list((tmp_path / "aoti").glob("*.pt2"))) == 1
     # A new Generator (or process) for a model of this shape loads the package instead of compiling it.

@@ -1,0 +1,196 @@
+"""Ember's CPU kernels for int4 and int8 weights at a few rows (`csrc/cpu_gemv.cpp`), built for this machine.
+
+The C++ source is compiled on first use with the host's compiler (`$CXX`, else g++) for the host's
+instruction set (-march=native), against the installed torch, and loaded as the torch ops `ember_cpu::*`
+(registered in C++, so a call costs what an aten op's does, inside a compiled step too). The library is kept
+in `$EMBER_CACHE_DIR/kernels/` under a key of the source, torch's version, the compiler, the flags and the
+CPU, and is reused by every later process; a build takes ~10 s on 2 cores.
+
+The kernels multiply int8 codes of the activations by the weights' codes with integer dot products
+(AVX512-VNNI, AVX-VNNI or AVX2); `available()` is False elsewhere (and when no compiler or headers are found,
+with one log line saying why, or with EMBER_CPU_KERNELS=0): callers then keep torch's kernels.
+
+Layouts (tiles of 16 output rows; see the C++ source): `int4_tiles` and `int8_tiles` build them from the
+canonical codes; `int4_reference` and `int8_reference` are the plain-torch twins the tests hold them to.
+
+Shape legend: M rows of activations, K input features, N output features, g group size.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ember.paths import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_gemv.cpp"
+NAMESPACE = "ember_cpu"
+TILE = 16  # output rows of a tile: N must be a multiple
+BLOCK = 32  # k of an activation block (int4) and of a tile's run of bytes: K must be a multiple
+INT8_MAX_K = 1 << 16  # int8 sums stay inside int32 up to this K
+ENV = "EMBER_CPU_KERNELS"
+
+
+def fits(out_features: int, in_features: int) -> bool:
+    """Whether a projection (N, K) tiles for these kernels."""
+    return out_features % TILE == 0 and in_features % BLOCK == 0
+
+
+def _cpu_ident() -> str:
+    """The CPU's model and flags: a library built with -march=native runs only where its instructions do."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+        return "".join(lines)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _compiler_ident(cxx: str) -> str:
+    out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True, timeout=60)
+    return out.stdout.splitlines()[0] if out.stdout else cxx
+
+
+def build(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> Path:
+    """Compiles the kernels (ops `namespace::*`, extra compiler `flags`) into the kernels cache, once per key;
+    returns the library's path. Raises OSError or subprocess.CalledProcessError when the build fails."""
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX") or "g++"
+    if shutil.which(cxx) is None:
+        raise OSError(f"no C++ compiler {cxx!r} on PATH (set $CXX)")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    cmd = [
+        cxx, "-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DEMBER_CPU_NAMESPACE={namespace}", *flags,
+        *[f"-I{p}" for p in cpp_extension.include_paths()],
+    ]  # fmt: skip
+    libs = [*[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu"]
+    key = hashlib.sha256(
+        "\n".join(
+            [SOURCE.read_text(), torch.__version__, _compiler_ident(cxx), " ".join(cmd), _cpu_ident()]
+        ).encode()
+    ).hexdigest()[:20]
+    folder = cache_root() / "kernels"
+    path = folder / f"{namespace}-{key}.so"
+    if path.exists():
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f"{path.stem}.{os.getpid()}.tmp.so"
+    log.info("building Ember's CPU kernels for this machine (once, ~10 s) into %s", path)
+    start = time.perf_counter()
+    try:
+        subprocess.run([*cmd, str(SOURCE), "-o", str(tmp), *libs], check=True, capture_output=True, text=True)
+        tmp.replace(path)  # atomic: a concurrent process never loads half a library
+    finally:
+        tmp.unlink(missing_ok=True)
+    log.info("CPU kernels built in %.1f s", time.perf_counter() - start)
+    return path
+
+
+def load(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> str:
+    """Builds (or finds) and loads the kernels as ops `namespace::*`; returns the instruction set they use
+    ("avx512-vnni", "avx-vnni", "avx2" or "scalar")."""
+    torch.ops.load_library(str(build(namespace, flags)))
+    ns = getattr(torch.ops, namespace)
+    for name, fake in (("int4_gemv", _int4_fake), ("int8_gemv", _int8_fake)):
+        torch.library.register_fake(f"{namespace}::{name}")(fake)
+    return ns.simd()
+
+
+@functools.cache
+def available() -> bool:
+    """Whether `ember_cpu::int4_gemv` and `int8_gemv` run here with integer dot-product instructions;
+    builds and loads them on the first call."""
+    if os.environ.get(ENV) == "0" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        simd = load()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or ""
+        log.warning("Ember's CPU kernels could not be built (%s%s); using torch's", e, detail[-2000:])
+        return False
+    if simd == "scalar":
+        log.info("no AVX2 or VNNI on this CPU: using torch's int4/int8 kernels")
+        return False
+    log.info("Ember's CPU kernels: %s", simd)
+    return True
+
+
+def _int4_fake(x, packed, scale_min, group_size):
+    return x.new_empty(x.shape[0], packed.shape[0] * TILE)
+
+
+def _int8_fake(x, packed, scales):
+    return x.new_empty(x.shape[0], packed.shape[0] * TILE)
+
+
+def int4_tiles(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical int4 nibbles (N, K/2) (low = even k) and their (N, K/g) scales and mins -> `int4_gemv`'s
+    packed codes (N/16, K/32 * 256) uint8 and scale_min (N/16, K/g, 2, 16) float16."""
+    N, G = scales.shape
+    K = qweight.shape[1] * 2
+    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(N, K)
+    # (tile, row, block, half, run, byte) -> (tile, block, run, row, byte, half): a run's 64 bytes are 16 rows
+    # of 4 k, the first half of the block in the low nibbles and the second in the high ones.
+    c = codes.reshape(N // TILE, TILE, K // BLOCK, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(N // TILE, K // BLOCK * 256)
+    sm = torch.stack([t.reshape(N // TILE, TILE, G).transpose(1, 2) for t in (scales, mins)], dim=2)
+    return packed.contiguous(), sm.to(torch.float16).contiguous()
+
+
+def int8_tiles(qweight: torch.Tensor) -> torch.Tensor:
+    """int8 codes (N, K) -> `int8_gemv`'s packed codes (N/16, K/32 * 512) uint8: tiles of 16 rows, runs of 4 k,
+    each code plus 128."""
+    N, K = qweight.shape
+    offset = (qweight.to(torch.int16) + 128).to(torch.uint8)
+    # (tile, row, block, run, k) -> (tile, block, run, row, k)
+    runs = offset.reshape(N // TILE, TILE, K // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)
+    return runs.reshape(N // TILE, K // BLOCK * 512).contiguous()
+
+
+def quantize_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) float32 -> the values int4_gemv multiplies: each block of 32 as int8 codes times max|x| / 127."""
+    M, K = x.shape
+    xb = x.reshape(M, K // BLOCK, BLOCK)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    # The kernel's arithmetic: x * (127 / amax) rounded half to even (a tensor divided, where `127.0 / amax`
+    # would multiply by amax's reciprocal and round differently).
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)
+    codes = torch.round(xb * inv)
+    return (codes * (amax / 127.0)).reshape(M, K)
+
+
+def int4_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """`int4_gemv` in plain torch, from the canonical operands: the activations quantized per block of 32,
+    times the weights q * scale + min with scale and min rounded to float16 (the kernel's)."""
+    N, G = scales.shape
+    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(N, G, group_size).float()
+    s, m = (t.to(torch.float16).float()[..., None] for t in (scales, mins))
+    return F.linear(quantize_blocks(x.float()), (codes * s + m).reshape(N, -1))
+
+
+def int8_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`int8_gemv` in plain torch: each activation row quantized to int8 with one scale (the int8-dyn
+    scheme's), the int32 products summed exactly, then both scales."""
+    x = x.float()
+    x_scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
+    xq = torch.round(x / x_scale).clamp(-127, 127)
+    acc = (xq.double() @ qweight.double().T).float()  # exact: products and sums of small integers
+    return acc * x_scale * scales

@@ -1,0 +1,146 @@
+"""Ember's CPU kernels (ember.quant.cpu_ext): every instruction-set path this CPU can run against the plain-torch
+twins, the modules that use them against torch's kernels, and the fallback when they cannot be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from ember.quant import QuantSpec, cpu_ext
+from ember.quant.linear import INT8_GEMV_ROWS, pack_nibbles, quantize_int4_grouped, quantize_int8_per_channel
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next(ln for ln in f if ln.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
+# Each build compiles the same source for one path (its own op namespace, so all load into one process).
+BUILDS = {
+    "native": ("ember_cpu", ()),
+    "avx2": ("ember_cpu_avx2", ("-mno-avx512f", "-mno-avxvnni")),
+    "scalar": ("ember_cpu_scalar", ("-mno-avx512f", "-mno-avx2", "-mno-fma")),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(BUILDS))
+def ops(request):
+    if not cpu_ext.available():
+        pytest.skip("Ember's CPU kernels are not built on this machine")
+    namespace, flags = BUILDS[request.param]
+    if request.param == "avx2" and not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    simd = cpu_ext.load(namespace, flags)
+    assert simd == {"native": simd, "avx2": "avx2", "scalar": "scalar"}[request.param]
+    return getattr(torch.ops, namespace)
+
+
+def activations(rows: int, K: int) -> torch.Tensor:
+    """Rows with an outlier column, a block of zeros and values on exact rounding ties of their block's grid."""
+    x = torch.randn(rows, K)
+    x[:, 3] *= 40
+    x[0, 32:64] = 0
+    if K >= 128:  # a block whose codes all land on .5 before rounding: x * 127 / max = k + 0.5
+        x[-1, 96:128] = torch.arange(32) - 15.5
+        x[-1, 96] = -127.0
+    return x
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_int4_gemv_is_its_twin(ops, group_size, rows):
+    """Per block of 32 activations: int8 codes (half to even), their integer dot products with the codes, then
+    scale and min (float16). Several tiles and groups; rows in runs of 4 and a remainder."""
+    torch.manual_seed(group_size + rows)
+    N, K = 48, 512
+    codes, scales, mins = quantize_int4_grouped(torch.randn(N, K) * 0.05, group_size)
+    qweight = pack_nibbles(codes)
+    tiles, scale_min = cpu_ext.int4_tiles(qweight, scales, mins)
+    x = activations(rows, K)
+    want = cpu_ext.int4_reference(x, qweight, scales, mins, group_size)
+    got = ops.int4_gemv(x, tiles, scale_min, group_size)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+def test_int8_gemv_gives_int_mm_sums(ops, rows):
+    """One int8 scale per activation row (int8-dyn's): the exact int32 sums torch._int_mm gives, times both
+    scales."""
+    torch.manual_seed(rows)
+    N, K = 64, 320
+    qweight, scales = quantize_int8_per_channel(torch.randn(N, K))
+    x = activations(rows, K)
+    got = ops.int8_gemv(x, cpu_ext.int8_tiles(qweight), scales)
+    want = cpu_ext.int8_reference(x, qweight, scales)
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+    x_scale = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-8) / 127.0
+    xq = torch.round(x / x_scale).clamp(-127, 127).to(torch.int8)
+    sums = torch._int_mm(torch.cat([xq, xq.new_zeros(17 - rows, K)]) if rows < 17 else xq, qweight.t())[:rows]
+    assert torch.allclose(got, sums.float() * x_scale * scales, rtol=1e-6, atol=0)
+
+
+def test_bad_operands_are_refused(ops):
+    tiles, scale_min = cpu_ext.int4_tiles(
+        torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(16, 2)
+    )
+    with pytest.raises(RuntimeError, match="do not match K"):
+        ops.int4_gemv(torch.zeros(1, 96), tiles, scale_min, 32)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.int4_gemv(torch.zeros(1, 64, dtype=torch.bfloat16), tiles, scale_min, 32)
+
+
+def test_modules_run_ember_kernels_and_int8_dyn_agrees_across_its_kernels():
+    """int4 projections take the kernel at any row count eager; int8-dyn up to INT8_GEMV_ROWS rows, then
+    torch._int_mm, with the same sums."""
+    if not cpu_ext.available():
+        pytest.skip("Ember's CPU kernels are not built on this machine")
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 96)
+    q4 = QuantSpec.parse("int4-g64").make(linear)
+    q4.prepare()
+    assert q4._kernel == "cpu_dot"
+    assert q4.bytes_read() == q4._tiles.numel() + 2 * q4._scale_min.numel() + 4 * 96  # codes, scales, bias
+    x = torch.randn(7, 256)
+    with torch.no_grad():
+        want = cpu_ext.int4_reference(x, q4.qweight, q4.scales, q4.mins, 64) + linear.bias
+        assert torch.allclose(q4(x), want, rtol=0, atol=1e-5 * want.abs().max().item())
+        q8 = QuantSpec.parse("int8-dyn").make(linear)
+        q8.prepare()
+        assert q8._gemv
+        x = torch.randn(INT8_GEMV_ROWS + 1, 256)
+        whole = q8(x)  # _int_mm
+        rows = torch.cat([q8(x[i : i + 4]) for i in range(0, len(x), 4)])  # Ember's kernel
+        assert torch.allclose(rows, whole, rtol=1e-6, atol=1e-6)
+        want = cpu_ext.int8_reference(x, q8.qweight, q8.scales) + linear.bias
+        assert torch.allclose(whole, want, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_decode_rows_call_the_kernel():
+    if not cpu_ext.available():
+        pytest.skip("Ember's CPU kernels are not built on this machine")
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    q = QuantSpec.parse("int4-g32").make(nn.Linear(128, 64, bias=False))
+    q.prepare()
+    x = torch.randn(1, 128)
+    with torch.no_grad():
+        y, code = run_and_get_code(torch.compile(q), x)
+        assert "ember_cpu.int4_gemv" in "".join(code)
+        assert torch.equal(y, q(x))
+
+
+def test_kernels_that_cannot_be_built_leave_torch_kernels(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING, logger="ember.quant.cpu_ext"):
+        assert cpu_ext.available.__wrapped__() is False
+    assert "could not be built" in caplog.text and "no-such-compiler" in caplog.text
+    monkeypatch.setenv("EMBER_CPU_KERNELS", "0")
+    assert cpu_ext.available.__wrapped__() is False
