@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.compiler import is_compiling
 
-from ember.quant import cpu_ext, kernels
+from ember.ops import cpu_ext
+from ember.quant import kernels
 
 
 def _cpu_has_bf16() -> bool:
@@ -336,7 +337,7 @@ class Int4WeightOnlyLinear(QuantLinear):
           every Llama-3-8B projection at one row as fast as torch's tinygemm or faster (gate/up 26.2 vs 33.8
           us, down 16.1 vs 19.0) and the compiled int4 step decodes 401 tok/s against 362 with tinygemm for
           the narrow projections, at the same time to first token (BENCHMARKS.md).
-        - "cpu_dot": on CPUs with AVX2 or VNNI, Ember's C++ kernel (`ember.quant.cpu_ext`): activations
+        - "cpu_dot": on CPUs with AVX2 or VNNI, Ember's C++ kernel (`ember.ops.cpu_ext`): activations
           quantized to int8 per block of 32 and integer dot products with the codes; a compiled forward of
           CPU_DEQUANT_ROWS rows or more dequantizes for one GEMM instead. On a 2-core Zen 4 it reads SmolLM2's
           projections at one row in 0.38-0.45x the time of torch's kernel, and at 4-63 rows in 0.5-0.6x.
@@ -471,7 +472,7 @@ class Int8DynActLinear(Int8WeightOnlyLinear):
 
     The weights, their format and quantization are Int8WeightOnlyLinear's; only the kernel differs. On CPUs
     with VNNI `torch._int_mm` reads the weights about twice as fast as the weight-only kernel, and Ember's own
-    kernel (`ember.quant.cpu_ext`, the same integer sums) faster again for a few rows. On CUDA the
+    kernel (`ember.ops.cpu_ext`, the same integer sums) faster again for a few rows. On CUDA the
     activations stay in floating point and the weight-only kernels run: `_int_mm` needs more than 16 rows
     there, and at one row the weight-only GEMV is bound by reading the same bytes.
     """

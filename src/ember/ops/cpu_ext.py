@@ -35,7 +35,8 @@ from ember.paths import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_gemv.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "cpu_gemv.cpp", CSRC / "cpu_attention.cpp")
 NAMESPACE = "ember_cpu"
 TILE = 16  # output rows of a tile: N must be a multiple
 BLOCK = 32  # k of an activation block (int4) and of a tile's run of bytes: K must be a multiple
@@ -72,30 +73,40 @@ def build(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> Path:
     if shutil.which(cxx) is None:
         raise OSError(f"no C++ compiler {cxx!r} on PATH (set $CXX)")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    # -fopenmp: at::parallel_for is inline OpenMP (torch's own libgomp at run time); without it, one thread.
     cmd = [
-        cxx, "-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w",
+        cxx, "-O3", "-march=native", "-std=c++20", "-fPIC", "-fopenmp", "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DEMBER_CPU_NAMESPACE={namespace}", *flags,
         *[f"-I{p}" for p in cpp_extension.include_paths()],
     ]  # fmt: skip
     libs = [*[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu"]
-    key = hashlib.sha256(
-        "\n".join(
-            [SOURCE.read_text(), torch.__version__, _compiler_ident(cxx), " ".join(cmd), _cpu_ident()]
-        ).encode()
-    ).hexdigest()[:20]
+    texts = [f.read_text() for f in sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")])]
+    ident = [*texts, torch.__version__, _compiler_ident(cxx), " ".join(cmd), _cpu_ident()]
+    key = hashlib.sha256("\n".join(ident).encode()).hexdigest()[:20]
     folder = cache_root() / "kernels"
     path = folder / f"{namespace}-{key}.so"
     if path.exists():
         return path
     folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f"{path.stem}.{os.getpid()}.tmp.so"
-    log.info("building Ember's CPU kernels for this machine (once, ~10 s) into %s", path)
+    stem = folder / f"{path.stem}.{os.getpid()}.tmp"
+    objects = [stem.with_name(f"{stem.name}.{src.stem}.o") for src in SOURCES]
+    log.info("building Ember's CPU kernels for this machine (once, ~15 s) into %s", path)
     start = time.perf_counter()
-    try:
-        subprocess.run([*cmd, str(SOURCE), "-o", str(tmp), *libs], check=True, capture_output=True, text=True)
-        tmp.replace(path)  # atomic: a concurrent process never loads half a library
+    try:  # one compiler per source at once, then the link
+        jobs = [
+            subprocess.Popen([*cmd, "-c", str(src), "-o", str(obj)], stderr=subprocess.PIPE, text=True)
+            for src, obj in zip(SOURCES, objects, strict=True)
+        ]
+        for job in jobs:
+            _, err = job.communicate()
+            if job.returncode:
+                raise subprocess.CalledProcessError(job.returncode, job.args, stderr=err)
+        link = [cxx, "-shared", "-fopenmp", *map(str, objects), "-o", f"{stem}.so", *libs]
+        subprocess.run(link, check=True, capture_output=True, text=True)
+        Path(f"{stem}.so").replace(path)  # atomic: a concurrent process never loads half a library
     finally:
-        tmp.unlink(missing_ok=True)
+        for leftover in [*objects, Path(f"{stem}.so")]:
+            leftover.unlink(missing_ok=True)
     log.info("CPU kernels built in %.1f s", time.perf_counter() - start)
     return path
 
@@ -105,7 +116,8 @@ def load(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> str:
     ("avx512-vnni", "avx-vnni", "avx2" or "scalar")."""
     torch.ops.load_library(str(build(namespace, flags)))
     ns = getattr(torch.ops, namespace)
-    for name, fake in (("int4_gemv", _int4_fake), ("int8_gemv", _int8_fake)):
+    fakes = (("int4_gemv", _int4_fake), ("int8_gemv", _int8_fake), ("decode_attention", _attention_fake))
+    for name, fake in fakes:
         torch.library.register_fake(f"{namespace}::{name}")(fake)
     return ns.simd()
 
@@ -135,6 +147,10 @@ def _int4_fake(x, packed, scale_min, group_size):
 
 def _int8_fake(x, packed, scales):
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)
+
+
+def _attention_fake(q, k_cache, v_cache, positions, scale, window):
+    return torch.empty_like(q)
 
 
 def int4_tiles(

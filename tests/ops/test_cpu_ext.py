@@ -1,4 +1,4 @@
-"""Ember's CPU kernels (ember.quant.cpu_ext): every instruction-set path this CPU can run against the plain-torch
+"""Ember's CPU kernels (ember.ops.cpu_ext): every instruction-set path this CPU can run against the plain-torch
 twins, the modules that use them against torch's kernels, and the fallback when they cannot be built."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from ember.quant import QuantSpec, cpu_ext
+from ember.ops import cpu_ext
+from ember.quant import QuantSpec
 from ember.quant.linear import INT8_GEMV_ROWS, pack_nibbles, quantize_int4_grouped, quantize_int8_per_channel
 
 
@@ -139,8 +140,38 @@ def test_compiled_decode_rows_call_the_kernel():
 def test_kernels_that_cannot_be_built_leave_torch_kernels(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    with caplog.at_level(logging.WARNING, logger="ember.quant.cpu_ext"):
+    with caplog.at_level(logging.WARNING, logger="ember.ops.cpu_ext"):
         assert cpu_ext.available.__wrapped__() is False
     assert "could not be built" in caplog.text and "no-such-compiler" in caplog.text
     monkeypatch.setenv("EMBER_CPU_KERNELS", "0")
     assert cpu_ext.available.__wrapped__() is False
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "B,H,K,S,D,window",
+    [(1, 9, 3, 256, 64, 0), (3, 8, 2, 100, 80, 0), (2, 4, 4, 64, 32, 7), (1, 2, 1, 40, 256, 40)],
+)
+def test_decode_attention_reads_the_slots_each_row_sees(ops, dtype, B, H, K, S, D, window):
+    """Against the masked reference over every slot: grouped heads, rows at their own positions (the first and
+    last slot among them), a sliding window; slots past a row's position hold values it must not read."""
+    from ember.ops.decode_attention import attend_reference
+
+    torch.manual_seed(S + D)
+    q = torch.randn(B, H, D, dtype=dtype)
+    k_cache, v_cache = (torch.randn(B, K, S, D, dtype=dtype) for _ in range(2))
+    positions = torch.tensor([0, S - 1, S // 2][:B])
+    for b, p in enumerate(positions.tolist()):
+        k_cache[b, :, p + 1 :] = 1e4  # the reference masks these (a NaN would poison its matmul)
+        v_cache[b, :, p + 1 :] = 1e4
+    want = attend_reference(q.float(), k_cache.float(), v_cache.float(), positions, D**-0.5, window)
+    got = ops.decode_attention(q, k_cache, v_cache, positions, D**-0.5, window)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the result's rounding
+    assert (got.float() - want).abs().max() < tol
+
+
+def test_decode_attention_refuses_a_position_outside_the_cache(ops):
+    q, cache = torch.zeros(1, 2, 16), torch.zeros(1, 1, 8, 16)
+    with pytest.raises(RuntimeError, match="position 8 is outside the cache's 8 slots"):
+        ops.decode_attention(q, cache, cache, torch.tensor([8]), 0.25, 0)

@@ -1,5 +1,5 @@
 // Ember's CPU kernels for a few rows of activations against int4 and int8 weights (decode steps), built on
-// first use by ember/quant/cpu_ext.py with -march=native for the machine that runs them.
+// first use by ember/ops/cpu_ext.py with -march=native for the machine that runs them.
 //
 // Both multiply int8 codes of the activations by the weights' codes with integer dot products (AVX512-VNNI's
 // vpdpbusd: 64 byte products a cycle, or AVX2's vpmaddubsw / AVX-VNNI), then apply the float scales once per
@@ -24,7 +24,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
+
+#include "library.h"
 
 #include <algorithm>
 #include <cmath>
@@ -424,15 +425,7 @@ std::string simd() { return simd_name(); }
 
 }  // namespace
 
-// The ops' namespace: ember_cpu, or another name for a second build in the same process (the tests load one
-// per instruction set).
-#ifndef EMBER_CPU_NAMESPACE
-#define EMBER_CPU_NAMESPACE ember_cpu
-#endif
-#define EMBER_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)  // expands the namespace macro before TORCH_LIBRARY pastes it
-#define EMBER_LIBRARY_IMPL(ns, key, m) TORCH_LIBRARY_IMPL(ns, key, m)
-
-EMBER_LIBRARY(EMBER_CPU_NAMESPACE, m) {
+EMBER_LIBRARY_FRAGMENT(EMBER_CPU_NAMESPACE, m) {
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("simd() -> str");
