@@ -54,11 +54,67 @@ inline float dot(const float* q, const T* k, int64_t D) {
   int64_t d = 0;
   for (; d + kLanes <= D; d += kLanes)
     for (int l = 0; l < kLanes; ++l) acc[l] += q[d + l] * static_cast<float>(k[d + l]);
-  float sum = 0.f;
-  for (; d < D; ++d) sum += q[d] * static_cast<float>(k[d]);
-  for (int l = 0; l < kLanes; ++l) sum += acc[l];
-  return sum;
+  for (; d < D; ++d) acc[0] += q[d] * static_cast<float>(k[d]);
+  // A tree: summed in order, the 16 lanes were 16 dependent adds (the compiler may not reorder them), the
+  // largest cost of a score.
+  for (int width = kLanes / 2; width > 0; width /= 2)
+    for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
+  return acc[0];
 }
+
+// out (D) = scale * sum_j w[j] * v_j over n rows of v, `stride` apart.
+template <typename T>
+void weighted_sum(const float* w, const T* v, int64_t stride, int64_t n, int64_t D, float scale, float* out) {
+  std::fill(out, out + D, 0.f);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t d = 0; d < D; ++d) out[d] += w[j] * static_cast<float>(v[j * stride + d]);
+  for (int64_t d = 0; d < D; ++d) out[d] *= scale;
+}
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// float32 caches, D a multiple of 64: 64 sums at a time in registers (the generic loop kept them in memory,
+// a store and a load per row).
+template <>
+void weighted_sum<float>(const float* w, const float* v, int64_t stride, int64_t n, int64_t D, float scale,
+                         float* out) {
+  if (D % (4 * kLanes)) {
+    std::fill(out, out + D, 0.f);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < D; ++d) out[d] += w[j] * v[j * stride + d];
+    for (int64_t d = 0; d < D; ++d) out[d] *= scale;
+    return;
+  }
+  for (int64_t d = 0; d < D; d += 4 * kLanes) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vj = v + j * stride + d;
+      const __m512 wj = _mm512_set1_ps(w[j]);
+      a0 = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vj), a0);
+      a1 = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vj + kLanes), a1);
+      a2 = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vj + 2 * kLanes), a2);
+      a3 = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vj + 3 * kLanes), a3);
+    }
+    const __m512 sc = _mm512_set1_ps(scale);
+    _mm512_storeu_ps(out + d, _mm512_mul_ps(a0, sc));
+    _mm512_storeu_ps(out + d + kLanes, _mm512_mul_ps(a1, sc));
+    _mm512_storeu_ps(out + d + 2 * kLanes, _mm512_mul_ps(a2, sc));
+    _mm512_storeu_ps(out + d + 3 * kLanes, _mm512_mul_ps(a3, sc));
+  }
+}
+// float32 caches (a CPU model's own dtype) with D a multiple of 16: one register of sums, reduced once.
+template <>
+inline float dot<float>(const float* q, const float* k, int64_t D) {
+  if (D % kLanes) {
+    float sum = 0.f;
+    for (int64_t d = 0; d < D; ++d) sum += q[d] * k[d];
+    return sum;
+  }
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+#endif
 
 // One query head (q, D floats) over slots first..last of its kv head (rows of k and v `slot_stride` apart).
 template <typename T>
@@ -75,14 +131,7 @@ void attend_head(const float* q, const T* k, const T* v, int64_t slot_stride, in
   for (int64_t j = 0; j < n; ++j) s[j] = exp_nonpositive(s[j] - mx);
   float sum = 0.f;
   for (int64_t j = 0; j < n; ++j) sum += s[j];
-  std::fill(out, out + D, 0.f);
-  for (int64_t j = 0; j < n; ++j) {
-    const T* vj = v + (first + j) * slot_stride;
-    const float w = s[j];
-    for (int64_t d = 0; d < D; ++d) out[d] += w * static_cast<float>(vj[d]);
-  }
-  const float inv = 1.f / sum;
-  for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+  weighted_sum(s, v + first * slot_stride, slot_stride, n, D, 1.f / sum, out);
 }
 
 // q (B, H, D), caches (B, K, S, D) already holding this step's keys and values, positions (B,) int64 ->
