@@ -1,17 +1,21 @@
-"""Ember's CPU kernels for int4 and int8 weights at a few rows (`csrc/cpu_gemv.cpp`), built for this machine.
+"""Ember's C++ CPU kernels (`csrc/`), built for this machine on first use and loaded as torch ops `ember_cpu::*`:
 
-The C++ source is compiled on first use with the host's compiler (`$CXX`, else g++) for the host's
-instruction set (-march=native), against the installed torch, and loaded as the torch ops `ember_cpu::*`
-(registered in C++, so a call costs what an aten op's does, inside a compiled step too). The library is kept
-in `$EMBER_CACHE_DIR/kernels/` under a key of the source, torch's version, the compiler, the flags and the
-CPU, and is reused by every later process; a build takes ~10 s on 2 cores.
+- `int4_gemv` and `int8_gemv` (`csrc/cpu_gemv.cpp`): a few rows of activations (decode steps) against int4
+  and int8 weights, with the activations' int8 codes multiplied by the weights' codes in integer dot products
+  (AVX512-VNNI, AVX-VNNI or AVX2);
+- `decode_attention` (`csrc/cpu_attention.cpp`): one query token a row over a static KV cache, reading only
+  the slots the row sees.
 
-The kernels multiply int8 codes of the activations by the weights' codes with integer dot products
-(AVX512-VNNI, AVX-VNNI or AVX2); `available()` is False elsewhere (and when no compiler or headers are found,
-with one log line saying why, or with EMBER_CPU_KERNELS=0): callers then keep torch's kernels.
+The sources are compiled with the host's compiler (`$CXX`, else g++) for the host's instruction set
+(-march=native), against the installed torch; registered in C++, an op costs what an aten op does, inside a
+compiled step too. The library is kept in `$EMBER_CACHE_DIR/kernels/` under a key of the sources, torch's
+version, the compiler, the flags and the CPU, and is reused by every later process; a build takes ~10 s on 2
+cores. `available()` is False off x86, on CPUs with neither AVX2 nor VNNI, when no compiler or headers are
+found (one log line says why) and with EMBER_CPU_KERNELS=0: callers then keep torch's kernels.
 
 Layouts (tiles of 16 output rows; see the C++ source): `int4_tiles` and `int8_tiles` build them from the
-canonical codes; `int4_reference` and `int8_reference` are the plain-torch twins the tests hold them to.
+canonical codes; `int4_reference` and `int8_reference` are the plain-torch twins the tests hold them to
+(decode attention's is `ember.ops.decode_attention.attend_reference`).
 
 Shape legend: M rows of activations, K input features, N output features, g group size.
 """

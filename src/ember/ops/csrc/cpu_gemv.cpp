@@ -2,10 +2,10 @@
 // first use by ember/ops/cpu_ext.py with -march=native for the machine that runs them.
 //
 // Both multiply int8 codes of the activations by the weights' codes with integer dot products (AVX512-VNNI's
-// vpdpbusd: 64 byte products a cycle, or AVX2's vpmaddubsw / AVX-VNNI), then apply the float scales once per
-// block of 32 k. torch's CPU int4 kernel converts every weight to float first; at one row that conversion,
-// not memory, bounds it (SmolLM2's projections on a 2-core Zen 4: 3.5 ms a step of torch's kernel, 1.4 ms of
-// these, with the weights in cache).
+// vpdpbusd: 64 byte products an instruction, or AVX2's vpmaddubsw / AVX-VNNI), then apply the float scales once
+// per block of 32 k. torch's CPU int4 kernel converts every weight to float first; at one row that conversion,
+// not memory, bounds it (SmolLM2's projections on a 2-core Zen 4, one decode step's worth: 3.5 ms of torch's
+// kernel, 1.4 ms of these with the weights in cache, ~2.3 ms streaming them from memory).
 //
 //   int4_gemv: weights w = q * scale + min, q in [0, 15], scale and min per group of g along K (g a multiple
 //     of 32); activations quantized per block of 32 k (x ~ xq * d, xq in [-127, 127], d = max|x| / 127), so
