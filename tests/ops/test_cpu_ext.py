@@ -140,6 +140,7 @@ def test_compiled_decode_rows_call_the_kernel():
 def test_kernels_that_cannot_be_built_leave_torch_kernels(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setattr(cpu_ext, "_LOADED", {})  # as in a fresh process
     with caplog.at_level(logging.WARNING, logger="ember.ops.cpu_ext"):
         assert cpu_ext.available.__wrapped__() is False
     assert "could not be built" in caplog.text and "no-such-compiler" in caplog.text

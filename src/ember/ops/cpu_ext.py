@@ -29,6 +29,7 @@ import os
 import platform
 import shutil
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -94,7 +95,8 @@ def build(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     stem = folder / f"{path.stem}.{os.getpid()}.tmp"
     objects = [stem.with_name(f"{stem.name}.{src.stem}.o") for src in SOURCES]
-    log.info("building Ember's CPU kernels for this machine (once, ~15 s) into %s", path)
+    # Seconds of silence inside a model's load otherwise: say so once, at the level the CLI shows by default.
+    log.warning("building Ember's CPU kernels for this machine (once, ~10 s) into %s", path)
     start = time.perf_counter()
     try:  # one compiler per source at once, then the link
         jobs = [
@@ -115,21 +117,31 @@ def build(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> Path:
     return path
 
 
+_LOCK = threading.Lock()
+_LOADED: dict[str, str] = {}  # namespace -> instruction set
+
+
 def load(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> str:
-    """Builds (or finds) and loads the kernels as ops `namespace::*`; returns the instruction set they use
-    ("avx512-vnni", "avx-vnni", "avx2" or "scalar")."""
-    torch.ops.load_library(str(build(namespace, flags)))
-    ns = getattr(torch.ops, namespace)
-    fakes = (("int4_gemv", _int4_fake), ("int8_gemv", _int8_fake), ("decode_attention", _attention_fake))
-    for name, fake in fakes:
-        torch.library.register_fake(f"{namespace}::{name}")(fake)
-    return ns.simd()
+    """Builds (or finds) and loads the kernels as ops `namespace::*`, once a process; returns the instruction
+    set they use ("avx512-vnni", "avx-vnni", "avx2" or "scalar")."""
+    with _LOCK:  # two threads' first calls must not both register the ops
+        if namespace not in _LOADED:
+            torch.ops.load_library(str(build(namespace, flags)))
+            fakes = (
+                ("int4_gemv", _int4_fake),
+                ("int8_gemv", _int8_fake),
+                ("decode_attention", _attention_fake),
+            )
+            for name, fake in fakes:
+                torch.library.register_fake(f"{namespace}::{name}")(fake)
+            _LOADED[namespace] = getattr(torch.ops, namespace).simd()
+        return _LOADED[namespace]
 
 
 @functools.cache
 def available() -> bool:
-    """Whether `ember_cpu::int4_gemv` and `int8_gemv` run here with integer dot-product instructions;
-    builds and loads them on the first call."""
+    """Whether the `ember_cpu::*` ops run here, the GEMVs with integer dot-product instructions; builds and
+    loads them on the first call."""
     if os.environ.get(ENV) == "0" or platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     try:
@@ -139,7 +151,7 @@ def available() -> bool:
         log.warning("Ember's CPU kernels could not be built (%s%s); using torch's", e, detail[-2000:])
         return False
     if simd == "scalar":
-        log.info("no AVX2 or VNNI on this CPU: using torch's int4/int8 kernels")
+        log.info("no AVX2 or VNNI on this CPU: using torch's kernels")
         return False
     log.info("Ember's CPU kernels: %s", simd)
     return True
