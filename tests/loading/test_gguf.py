@@ -783,4 +783,6 @@ def test_the_gguf_scheme_on_every_family(tmp_path, arch):
     err = {
         s: (logits(_build(path, s) if s != "gguf" else model) - want).abs().max() for s in ("gguf", "int8")
     }
-    assert 0 < err["gguf"] <= 1.1 * err["int8"], err
+    # 1.5: on x86 CPUs the int4 projections' kernel takes the activations as int8 codes per block of 32 (its
+    # weights are exact here), int8 weight-only as bf16; a wrong permutation or grid is many times off.
+    assert 0 < err["gguf"] <= 1.5 * err["int8"], err

@@ -158,7 +158,7 @@ def test_ember_generate_twice_uses_the_cache(tiny_llama_dir, tmp_path):
     assert first_ids == second_ids and len(first_ids) > 0
     assert [f.name.split("-int8-")[0] for f in cache_entries(tmp_path / "cache")] == [tiny_llama_dir.name]
     off = generate(tmp_path / "off", "--no-quant-cache")
-    assert "quant cache" not in off.stderr and not (tmp_path / "off").exists()
+    assert "quant cache" not in off.stderr and not (tmp_path / "off" / "quantized").exists()
     assert json.loads(off.stdout)["token_ids"] == first_ids
 
 
