@@ -122,7 +122,8 @@ def test_modules_run_ember_kernels_and_int8_dyn_agrees_across_its_kernels():
         assert torch.allclose(whole, want, rtol=1e-6, atol=1e-6)
 
 
-def test_compiled_decode_rows_call_the_kernel():
+def test_compiled_int4_projections_call_the_kernel_at_any_rows():
+    """A decode step's row and a prefill's many (where torch's int4 kernel gives way to a bf16 GEMM)."""
     if not cpu_ext.available():
         pytest.skip("Ember's CPU kernels are not built on this machine")
     from torch._inductor.utils import run_and_get_code
@@ -130,11 +131,13 @@ def test_compiled_decode_rows_call_the_kernel():
     torch._dynamo.reset()
     q = QuantSpec.parse("int4-g32").make(nn.Linear(128, 64, bias=False))
     q.prepare()
-    x = torch.randn(1, 128)
+    compiled = torch.compile(q, dynamic=True)
     with torch.no_grad():
-        y, code = run_and_get_code(torch.compile(q), x)
-        assert "ember_cpu.int4_gemv" in "".join(code)
-        assert torch.equal(y, q(x))
+        for rows in (1, 200):
+            x = torch.randn(rows, 128)
+            y, code = run_and_get_code(compiled, x)
+            assert "ember_cpu.int4_gemv" in "".join(code)
+            assert torch.equal(y, q(x))
 
 
 def test_kernels_that_cannot_be_built_leave_torch_kernels(monkeypatch, tmp_path, caplog):

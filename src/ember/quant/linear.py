@@ -50,9 +50,10 @@ def _cpu_has_bf16() -> bool:
 # MKL's float32 rate at SmolLM2's shapes and 128 rows, and SmolLM2's int4-g32 compiled prefill at 1.7x
 # (BENCHMARKS.md); without the instructions bf16 is emulated, slower than float32.
 CPU_GEMM_DTYPE: torch.dtype = torch.bfloat16 if _cpu_has_bf16() else torch.float32
-# From this many rows a compiled CPU forward of an int4 or int8 weight-only projection dequantizes its weights
-# (one fused inductor pass) and runs a GEMM in CPU_GEMM_DTYPE instead of torch's `_weight_int4pack_mm_for_cpu`
-# / `_weight_int8pack_mm`, whose time grows about linearly with the rows. float32 GEMMs (2-core Xeon, SmolLM2's
+# From this many rows a compiled CPU forward of an int4 (where Ember's CPU kernel is not built) or int8
+# weight-only projection dequantizes its weights (one fused inductor pass) and runs a GEMM in CPU_GEMM_DTYPE
+# instead of torch's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm`, whose time grows about linearly with
+# the rows. float32 GEMMs (2-core Xeon, SmolLM2's
 # projections, 2 threads) win from 96 rows (int4: 1.1-1.3x faster at 96, 1.3-1.5x at 128, 2.0-2.2x at 512,
 # even to slower at 64; int8: 1.5-1.9x at 128, 2.1-2.4x at 512); bf16 GEMMs (2-core Zen 4) from 64 (int4:
 # 1.15-1.5x at 64, 1.4-1.7x at 96; even at 48, slower at 32). Eager, the unfused dequantize costs more than it
@@ -338,9 +339,10 @@ class Int4WeightOnlyLinear(QuantLinear):
           us, down 16.1 vs 19.0) and the compiled int4 step decodes 401 tok/s against 362 with tinygemm for
           the narrow projections, at the same time to first token (BENCHMARKS.md).
         - "cpu_dot": on CPUs with AVX2 or VNNI, Ember's C++ kernel (`ember.ops.cpu_ext`): activations
-          quantized to int8 per block of 32 and integer dot products with the codes; a compiled forward of
-          CPU_DEQUANT_ROWS rows or more dequantizes for one GEMM instead. On a 2-core Zen 4 it reads SmolLM2's
-          projections at one row in 0.38-0.45x the time of torch's kernel, and at 4-63 rows in 0.5-0.6x.
+          quantized to int8 per block of 32 and integer dot products with the codes, at any number of rows.
+          On a 2-core Zen 4 it runs SmolLM2's projections at one row in 0.26-0.43x the time of torch's kernel
+          and at 16 in 0.29-0.41x; a compiled prefill with it takes 0.56x (128 tokens) to 0.69x (500) the
+          time of the dequantize + bf16 GEMM path below (BENCHMARKS.md).
         - "tinygemm": torch's int4 kernels (`_weight_int4pack_mm*`, `tinygemm_layout`), on other CPUs where N is
           a multiple of 16 (the CPU packing's rows), and on CUDA for bf16 projections that do not tile.
         - "triton": Ember's canonical-layout GEMV for the rest (on CPU: dequantize and matmul).
@@ -441,7 +443,7 @@ class Int4WeightOnlyLinear(QuantLinear):
             y = kernels.int4_mma_linear(x2, self._words, self._msz, self.group_size)
         elif self._kernel == "tiled":
             y = kernels.int4_tiled_linear(x2, self._words, self._tsz, self.group_size)
-        elif self._kernel in ("cpu_dot", "tinygemm") and cpu_float_gemm(x2):
+        elif self._kernel == "tinygemm" and cpu_float_gemm(x2):
             # The canonical weights (the kernel's are their bf16-rounded scale and zero): compiled and eager
             # agree to a bf16 rounding.
             y = float_gemm_as_kernel(x2, self._float_weights(x2.shape[0])).to(x.dtype)
