@@ -45,7 +45,15 @@ namespace {
 
 constexpr int kTile = 16;   // output rows of a tile
 constexpr int kBlock = 32;  // k of an activation block
-constexpr int kMaxRows = 4;  // activation rows a tile's weights meet while loaded
+// Activation rows a tile's weights meet while loaded: with 32 vector registers (AVX-512) 8 rows' sums fit.
+#ifndef EMBER_MAX_ROWS
+#if defined(__AVX512F__)
+#define EMBER_MAX_ROWS 8
+#else
+#define EMBER_MAX_ROWS 4
+#endif
+#endif
+constexpr int kMaxRows = EMBER_MAX_ROWS;
 
 const char* simd_name() {
 #if defined(EMBER_AVX512_VNNI)
@@ -298,29 +306,26 @@ template <int R>
 void int4_tile(const uint8_t* w, const at::Half* sm, const int8_t* xq, const float* d, const float* dsum,
                int64_t K, int64_t blocks_per_group, float* out, int64_t N) {
   const int64_t KB = K / kBlock;
-  F16x acc[R], macc[R];
-  for (int r = 0; r < R; ++r) acc[r] = fzero(), macc[r] = fzero();
+  F16x acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = fzero();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* wb = w + b * 256;
-    I16 lo[R], hi[R];
-    for (int r = 0; r < R; ++r) lo[r] = izero(), hi[r] = izero();
+    I16 sums[R];  // one register a row: a block's 8 dot products (a fresh chain each block)
+    for (int r = 0; r < R; ++r) sums[r] = izero();
     for (int i = 0; i < 4; ++i) {
       const auto v = load64(wb + 64 * i);
       const auto low = low_nibbles(v), high = high_nibbles(v);
       for (int r = 0; r < R; ++r) {
         const int8_t* xb = xq + r * K + b * kBlock;
-        lo[r] = dot4(lo[r], low, load4(xb + 4 * i));
-        hi[r] = dot4(hi[r], high, load4(xb + 16 + 4 * i));
+        sums[r] = dot4(dot4(sums[r], low, load4(xb + 4 * i)), high, load4(xb + 16 + 4 * i));
       }
     }
     const at::Half* s = sm + (b / blocks_per_group) * 2 * kTile;
     const F16x scale = load_half(s), mn = load_half(s + kTile);
-    for (int r = 0; r < R; ++r) {
-      acc[r] = fma(to_float(iadd(lo[r], hi[r])), fmul_scalar(scale, d[r * KB + b]), acc[r]);
-      macc[r] = fma(mn, fset(dsum[r * KB + b]), macc[r]);
-    }
+    for (int r = 0; r < R; ++r)
+      acc[r] = fma(mn, fset(dsum[r * KB + b]), fma(to_float(sums[r]), fmul_scalar(scale, d[r * KB + b]), acc[r]));
   }
-  for (int r = 0; r < R; ++r) store(out + r * N, fadd(acc[r], macc[r]));
+  for (int r = 0; r < R; ++r) store(out + r * N, acc[r]);
 }
 
 // R activation rows (at xq + r * K, scales d[r], code sums xsum[r]) against one int8 tile of weights with
@@ -346,16 +351,21 @@ void int8_tile(const uint8_t* w, const float* scales, const int8_t* xq, const fl
 }
 
 // Calls tile(R, first row) for the rows of x in runs of at most kMaxRows.
+template <int R, typename Tile>
+void rows_left(int64_t left, int64_t m, Tile& tile) {
+  if constexpr (R > 0) {
+    if (left == R)
+      tile(std::integral_constant<int, R>{}, m);
+    else
+      rows_left<R - 1>(left, m, tile);
+  }
+}
+
 template <typename Tile>
 void by_rows(int64_t M, Tile tile) {
   int64_t m = 0;
   for (; m + kMaxRows <= M; m += kMaxRows) tile(std::integral_constant<int, kMaxRows>{}, m);
-  switch (M - m) {
-    case 3: tile(std::integral_constant<int, 3>{}, m); break;
-    case 2: tile(std::integral_constant<int, 2>{}, m); break;
-    case 1: tile(std::integral_constant<int, 1>{}, m); break;
-    default: break;
-  }
+  rows_left<kMaxRows - 1>(M - m, m, tile);
 }
 
 void check_operands(const at::Tensor& x, const at::Tensor& packed, int64_t bytes_per_block) {
