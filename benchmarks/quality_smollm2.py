@@ -4,9 +4,10 @@ default, any model with `--model`.
 python benchmarks/quality_smollm2.py
 python benchmarks/quality_smollm2.py --model gemma3-270m --schemes int8 int4-g32
 
-The last column runs the prompt through the compiled forward (`--compile-prefill`'s path): on CPU, int4 and int8
+The last column runs the prompt through the compiled forward (`--compile-prefill`'s path): on CPU, int8
 weight-only projections there are dequantized for a GEMM in `ember.quant.linear.CPU_GEMM_DTYPE` (bf16 on CPUs
-with bf16 dot products) instead of torch's weight-only kernels.
+with bf16 dot products) instead of torch's weight-only kernel, and so are int4 ones where Ember's CPU kernel
+(`ember.ops.cpu_ext`, int8 activation codes) is not built; where it is, int4 runs it eager and compiled.
 """
 
 from __future__ import annotations
