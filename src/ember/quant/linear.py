@@ -52,12 +52,11 @@ def _cpu_has_bf16() -> bool:
 CPU_GEMM_DTYPE: torch.dtype = torch.bfloat16 if _cpu_has_bf16() else torch.float32
 # From this many rows a compiled CPU forward of an int4 (where Ember's CPU kernel is not built) or int8
 # weight-only projection dequantizes its weights (one fused inductor pass) and runs a GEMM in CPU_GEMM_DTYPE
-# instead of torch's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm`, whose time grows about linearly with
-# the rows. float32 GEMMs (2-core Xeon, SmolLM2's
-# projections, 2 threads) win from 96 rows (int4: 1.1-1.3x faster at 96, 1.3-1.5x at 128, 2.0-2.2x at 512,
-# even to slower at 64; int8: 1.5-1.9x at 128, 2.1-2.4x at 512); bf16 GEMMs (2-core Zen 4) from 64 (int4:
-# 1.15-1.5x at 64, 1.4-1.7x at 96; even at 48, slower at 32). Eager, the unfused dequantize costs more than it
-# saves.
+# instead of torch's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm`, whose time grows about linearly
+# with the rows. float32 GEMMs (2-core Xeon, SmolLM2's projections, 2 threads) win from 96 rows (int4:
+# 1.1-1.3x faster at 96, 1.3-1.5x at 128, 2.0-2.2x at 512, even to slower at 64; int8: 1.5-1.9x at 128,
+# 2.1-2.4x at 512); bf16 GEMMs (2-core Zen 4) from 64 (int4: 1.15-1.5x at 64, 1.4-1.7x at 96; even at 48,
+# slower at 32). Eager, the unfused dequantize costs more than it saves.
 CPU_DEQUANT_ROWS = 64 if CPU_GEMM_DTYPE is torch.bfloat16 else 96
 # Below this many rows that path multiplies int4 weights as two halves of K (even and odd k: the nibbles as they
 # lie, dequantized in one fused pass) instead of interleaving them back, which inductor does in a separate
