@@ -54,6 +54,8 @@ constexpr int kBlock = 32;  // k of an activation block
 #endif
 #endif
 constexpr int kMaxRows = EMBER_MAX_ROWS;
+// Rows of activations a thread quantizes at least (a prefill's; a decode step's one row stays on the caller's).
+constexpr int64_t kQuantizeRows = 16;
 
 const char* simd_name() {
 #if defined(EMBER_AVX512_VNNI)
@@ -390,7 +392,9 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   std::vector<int8_t> xq(M * K);
   std::vector<float> d(M * KB), dsum(M * KB);
   const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) quantize_blocks(xp + m * K, K, &xq[m * K], &d[m * KB], &dsum[m * KB]);
+  at::parallel_for(0, M, kQuantizeRows, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) quantize_blocks(xp + m * K, K, &xq[m * K], &d[m * KB], &dsum[m * KB]);
+  });
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const at::Half* sp = scale_min.data_ptr<at::Half>();
   float* op = out.data_ptr<float>();
@@ -416,7 +420,9 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   std::vector<float> d(M);
   std::vector<int32_t> xsum(M);
   const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) d[m] = quantize_row(xp + m * K, K, &xq[m * K], &xsum[m]);
+  at::parallel_for(0, M, kQuantizeRows, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) d[m] = quantize_row(xp + m * K, K, &xq[m * K], &xsum[m]);
+  });
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
