@@ -9,7 +9,8 @@ by default. Medians of alternated runs, microseconds a call, 2 threads unless --
   weights, so that they stream from memory as in a real step.
 - int8-dyn: `ember_cpu::int8_gemv` vs `torch._int_mm`, both with the activation's per-row int8 quantization.
 - attention: `ember_cpu::decode_attention` vs `grouped_decode_attention` (masked matmuls over every slot), one
-  query token at the last slot.
+  query token at the last slot; and `paged_decode_attention` vs the paged cache's gather + SDPA, rows whose
+  tokens are scattered over the pool.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 import torch
 
 from ember.ops import cpu_ext
-from ember.ops.attention import causal_mask, grouped_decode_attention
+from ember.ops.attention import causal_mask, grouped_decode_attention, sdpa_attention
 from ember.quant.linear import pack_nibbles, quantize_int4_grouped, quantize_int8_per_channel, tinygemm_layout
 
 SMOLLM2 = dict(hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64, vocab=49152, layers=30)
@@ -131,6 +132,27 @@ def main() -> None:
             args.repeats,
         )
         print(f"{'':10} {S:5d} {t['ember']:8.1f} {t['torch']:9.1f} {t['torch'] / t['ember']:8.2f}x")
+
+    print(f"\n{'paged':10} {'rows':>4} {'slots':>5} {'Ember':>8} {'gather+SDPA':>12} {'speed-up':>9}")
+    for B in (1, 4):
+        for S in args.slots:
+            pool = B * S + 64  # each row's tokens scattered over the pool, as block tables leave them
+            k_pool, v_pool = torch.randn(pool, K, D), torch.randn(pool, K, D)
+            slots = torch.stack([torch.randperm(pool)[:S] for _ in range(B)])  # (B, S)
+            pos = torch.full((B,), S - 1)
+            q = torch.randn(B, H, D)
+            mask = causal_mask(pos[:, None], torch.arange(S)[None], None)
+
+            def paged(q=q, k_pool=k_pool, v_pool=v_pool, slots=slots, pos=pos):
+                return torch.ops.ember_cpu.paged_decode_attention(q, k_pool, v_pool, slots, pos, D**-0.5, 0)
+
+            def gather_sdpa(q=q, k_pool=k_pool, v_pool=v_pool, slots=slots, mask=mask):
+                kd, vd = k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2)  # (B, K, S, D)
+                return sdpa_attention(q[:, :, None], kd, vd, mask, scale=D**-0.5, softcap=None)
+
+            t = median_us({"ember": paged, "torch": gather_sdpa}, args.repeats)
+            speedup = t["torch"] / t["ember"]
+            print(f"{'':10} {B:4d} {S:5d} {t['ember']:8.1f} {t['torch']:12.1f} {speedup:8.2f}x")
 
 
 if __name__ == "__main__":

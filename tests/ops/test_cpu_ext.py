@@ -179,3 +179,27 @@ def test_decode_attention_refuses_a_position_outside_the_cache(ops):
     q, cache = torch.zeros(1, 2, 16), torch.zeros(1, 1, 8, 16)
     with pytest.raises(RuntimeError, match="position 8 is outside the cache's 8 slots"):
         ops.decode_attention(q, cache, cache, torch.tensor([8]), 0.25, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 5])
+def test_paged_decode_attention_follows_each_rows_slots(ops, dtype, window):
+    """Rows whose tokens lie in scattered pool slots (a block table's), at their own positions: the static
+    kernel's answer on the rows gathered in order; pool slots no row sees hold values that would show."""
+    torch.manual_seed(window)
+    B, H, K, S, D, pool = 3, 6, 2, 24, 64, 100
+    q = torch.randn(B, H, D, dtype=dtype)
+    k_pool, v_pool = (torch.full((pool, K, D), 1e4, dtype=dtype) for _ in range(2))
+    slots = torch.stack([torch.randperm(pool)[:S] for _ in range(B)])  # (B, S)
+    positions = torch.tensor([0, S - 1, 10])
+    for b, p in enumerate(positions.tolist()):
+        k_pool[slots[b, : p + 1]] = torch.randn(p + 1, K, D, dtype=dtype)
+        v_pool[slots[b, : p + 1]] = torch.randn(p + 1, K, D, dtype=dtype)
+    got = ops.paged_decode_attention(q, k_pool, v_pool, slots, positions, D**-0.5, window)
+    k_rows, v_rows = (pool_[slots].transpose(1, 2) for pool_ in (k_pool, v_pool))  # (B, K, S, D)
+    want = ops.decode_attention(q, k_rows.contiguous(), v_rows.contiguous(), positions, D**-0.5, window)
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="outside the pool's 100"):
+        bad = slots.clone()
+        bad[1, S - 1] = pool  # row 1 sees its last slot under any window
+        ops.paged_decode_attention(q, k_pool, v_pool, bad, positions, D**-0.5, window)

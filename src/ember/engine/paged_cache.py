@@ -5,7 +5,9 @@ for some requests, one token for each decoding request. `PagedBatch` says where 
 its block table and how many tokens its context holds after this step.
 
 Attention runs in two groups: all single-token (decode) requests together — their k/v gathered through
-their block tables into (B, K, S, D) and one SDPA call — and each multi-token (prefill) segment on its own.
+their block tables into (B, K, S, D) and one SDPA call, or on CPUs Ember's C++ kernel, which reads each row's
+visible slots where its table puts them (`ember_cpu::paged_decode_attention`, tested against the static
+cache's) — and each multi-token (prefill) segment on its own.
 Both go through `ops.attention.sdpa_attention`, the same reference the static cache uses, and the tests
 compare this cache with the static one.
 """
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ember.config import ModelConfig
+from ember.ops import cpu_ext
 from ember.ops.attention import causal_mask, sdpa_attention
 from ember.ops.rope import apply_rope
 
@@ -57,6 +60,9 @@ class PagedKVCache:
         self._decode_slots: torch.Tensor | None = None
         self._prefill_slots: list[torch.Tensor] = []
         self.windows = {cfg.window(i) for i in range(cfg.num_layers)}
+        self._cpu_attention = (
+            self.device.type == "cpu" and cpu_ext.available()
+        )  # Ember's C++ decode attention
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -115,7 +121,17 @@ class PagedKVCache:
         k_pool[b.slot_mapping] = k[0]
         v_pool[b.slot_mapping] = v[0]
         out = torch.empty_like(q[0])  # (N, H, D)
-        if self._decode_slots is not None:
+        if self._decode_slots is not None and softcap is None and self._cpu_attention:
+            out[b.decode_index] = torch.ops.ember_cpu.paged_decode_attention(
+                q[0, b.decode_index],
+                k_pool,
+                v_pool,
+                self._decode_slots,
+                b.decode_lens - 1,
+                scale,
+                window or 0,
+            )  # (Bd, H, D): only each row's visible slots, where its block table puts them
+        elif self._decode_slots is not None:
             qd = q[0, b.decode_index][:, :, None]  # (Bd, H, 1, D)
             kd = k_pool[self._decode_slots].transpose(1, 2)  # (Bd, K, S, D)
             vd = v_pool[self._decode_slots].transpose(1, 2)

@@ -3,8 +3,8 @@
 - `int4_gemv` and `int8_gemv` (`csrc/cpu_gemv.cpp`): a few rows of activations (decode steps) against int4
   and int8 weights, with the activations' int8 codes multiplied by the weights' codes in integer dot products
   (AVX512-VNNI, AVX-VNNI or AVX2);
-- `decode_attention` (`csrc/cpu_attention.cpp`): one query token a row over a static KV cache, reading only
-  the slots the row sees.
+- `decode_attention` and `paged_decode_attention` (`csrc/cpu_attention.cpp`): one query token a row over a
+  static or a paged KV cache, reading only the slots the row sees.
 
 The sources are compiled with the host's compiler (`$CXX`, else g++) for the host's instruction set
 (-march=native), against the installed torch; registered in C++, an op costs what an aten op does, inside a
@@ -131,6 +131,7 @@ def load(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> str:
                 ("int4_gemv", _int4_fake),
                 ("int8_gemv", _int8_fake),
                 ("decode_attention", _attention_fake),
+                ("paged_decode_attention", _attention_fake),
             )
             for name, fake in fakes:
                 torch.library.register_fake(f"{namespace}::{name}")(fake)
@@ -165,7 +166,7 @@ def _int8_fake(x, packed, scales):
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)
 
 
-def _attention_fake(q, k_cache, v_cache, positions, scale, window):
+def _attention_fake(q, *args):
     return torch.empty_like(q)
 
 

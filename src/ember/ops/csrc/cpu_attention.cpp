@@ -1,5 +1,5 @@
-// Decode attention on a CPU: one query token per row over a static KV cache, reading only the slots the row
-// sees (0..p, or the last `window` of them), in float32 whatever the cache's dtype.
+// Decode attention on a CPU: one query token per row over a static or a paged KV cache, reading only the slots
+// the row sees (0..p, or the last `window` of them), in float32 whatever the cache's dtype.
 //
 // The graph's version (ember.ops.attention.grouped_decode_attention) multiplies every slot of the cache behind
 // a mask with two batched matmuls: on SmolLM2's 2-core decode step that was ~1.3 ms of ~4.5 (bmm calls of
@@ -62,12 +62,26 @@ inline float dot(const float* q, const T* k, int64_t D) {
   return acc[0];
 }
 
-// out (D) = scale * sum_j w[j] * v_j over n rows of v, `stride` apart.
-template <typename T>
-void weighted_sum(const float* w, const T* v, int64_t stride, int64_t n, int64_t D, float scale, float* out) {
+// Where a head's slot j lies: a static cache's slots are consecutive rows (`Consecutive`), a paged cache's are
+// wherever a block table puts them (`Indexed`); either way as an offset into the cache tensor.
+struct Consecutive {
+  int64_t first, stride;
+  int64_t operator()(int64_t j) const { return (first + j) * stride; }
+};
+struct Indexed {
+  const int64_t* slots;  // the head's first visible slot onwards
+  int64_t stride;
+  int64_t operator()(int64_t j) const { return slots[j] * stride; }
+};
+
+// out (D) = scale * sum_j w[j] * v[row(j)] over n rows.
+template <typename T, typename Rows>
+void weighted_sum(const float* w, const T* v, Rows row, int64_t n, int64_t D, float scale, float* out) {
   std::fill(out, out + D, 0.f);
-  for (int64_t j = 0; j < n; ++j)
-    for (int64_t d = 0; d < D; ++d) out[d] += w[j] * static_cast<float>(v[j * stride + d]);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vj = v + row(j);
+    for (int64_t d = 0; d < D; ++d) out[d] += w[j] * static_cast<float>(vj[d]);
+  }
   for (int64_t d = 0; d < D; ++d) out[d] *= scale;
 }
 
@@ -75,20 +89,19 @@ void weighted_sum(const float* w, const T* v, int64_t stride, int64_t n, int64_t
 #include <immintrin.h>
 // float32 caches, D a multiple of 64: 64 sums at a time in registers (the generic loop kept them in memory,
 // a store and a load per row).
-template <>
-void weighted_sum<float>(const float* w, const float* v, int64_t stride, int64_t n, int64_t D, float scale,
-                         float* out) {
+template <typename Rows>
+void weighted_sum(const float* w, const float* v, Rows row, int64_t n, int64_t D, float scale, float* out) {
   if (D % (4 * kLanes)) {
     std::fill(out, out + D, 0.f);
     for (int64_t j = 0; j < n; ++j)
-      for (int64_t d = 0; d < D; ++d) out[d] += w[j] * v[j * stride + d];
+      for (int64_t d = 0; d < D; ++d) out[d] += w[j] * v[row(j) + d];
     for (int64_t d = 0; d < D; ++d) out[d] *= scale;
     return;
   }
   for (int64_t d = 0; d < D; d += 4 * kLanes) {
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t j = 0; j < n; ++j) {
-      const float* vj = v + j * stride + d;
+      const float* vj = v + row(j) + d;
       const __m512 wj = _mm512_set1_ps(w[j]);
       a0 = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vj), a0);
       a1 = _mm512_fmadd_ps(wj, _mm512_loadu_ps(vj + kLanes), a1);
@@ -102,7 +115,7 @@ void weighted_sum<float>(const float* w, const float* v, int64_t stride, int64_t
     _mm512_storeu_ps(out + d + 3 * kLanes, _mm512_mul_ps(a3, sc));
   }
 }
-// float32 caches (a CPU model's own dtype) with D a multiple of 16: one register of sums, reduced once.
+
 template <>
 inline float dot<float>(const float* q, const float* k, int64_t D) {
   if (D % kLanes) {
@@ -116,23 +129,25 @@ inline float dot<float>(const float* q, const float* k, int64_t D) {
 }
 #endif
 
-// One query head (q, D floats) over slots first..last of its kv head (rows of k and v `slot_stride` apart).
-template <typename T>
-void attend_head(const float* q, const T* k, const T* v, int64_t slot_stride, int64_t first, int64_t last,
-                 int64_t D, float scale, std::vector<float>& scores, float* out) {
-  const int64_t n = last - first + 1;
+// One query head (q, D floats) over n slots of its kv head, slot j's key at k + row(j) and value at v + row(j).
+template <typename T, typename Rows>
+void attend_head(const float* q, const T* k, const T* v, Rows row, int64_t n, int64_t D, float scale,
+                 std::vector<float>& scores, float* out) {
   scores.resize(n);
   float mx = -INFINITY;
   for (int64_t j = 0; j < n; ++j) {
-    scores[j] = dot(q, k + (first + j) * slot_stride, D) * scale;
+    scores[j] = dot(q, k + row(j), D) * scale;
     mx = std::max(mx, scores[j]);
   }
   float* s = scores.data();
   for (int64_t j = 0; j < n; ++j) s[j] = exp_nonpositive(s[j] - mx);
   float sum = 0.f;
   for (int64_t j = 0; j < n; ++j) sum += s[j];
-  weighted_sum(s, v + first * slot_stride, slot_stride, n, D, 1.f / sum, out);
+  weighted_sum(s, v, row, n, D, 1.f / sum, out);
 }
+
+// The first slot a query at position p sees: 0, or with a sliding window the last `window` (p - window < slot).
+inline int64_t first_visible(int64_t p, int64_t window) { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }
 
 // q (B, H, D), caches (B, K, S, D) already holding this step's keys and values, positions (B,) int64 ->
 // (B, H, D) in q's dtype. Row b's query at position p sees slots 0..p, and with window > 0 only the last
@@ -165,11 +180,60 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / H, h = i % H, p = pp[b];
-        const int64_t first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+        const int64_t b = i / H, h = i % H, p = pp[b], first = first_visible(p, window);
         const int64_t offset = b * sb + (h / group) * sk;
-        attend_head(qp + i * D, kp + offset, vp + offset, ss, first, p, D, static_cast<float>(scale), scores,
-                    op + i * D);
+        attend_head(qp + i * D, kp + offset, vp + offset, Consecutive{first, ss}, p - first + 1, D,
+                    static_cast<float>(scale), scores, op + i * D);
+      }
+    });
+  });
+  return out.to(q.scalar_type());
+}
+
+// q (B, H, D), pools (slots, K, D) already holding this step's keys and values, slots (B, S) int64 (row b's
+// token j lies in pool slot slots[b, j]), positions (B,) int64 -> (B, H, D) in q's dtype: decode_attention
+// over a paged cache, reading each row's visible slots where its block table puts them.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                                  const at::Tensor& slots, const at::Tensor& positions, double scale,
+                                  int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes() && slots.dim() == 2,
+              "expected q (B, H, D), pools (slots, K, D) and slots (B, S), got ", q.sizes(), ", ", k_pool.sizes(),
+              ", ", v_pool.sizes(), ", ", slots.sizes());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), K = k_pool.size(1), S = slots.size(1);
+  TORCH_CHECK(slots.size(0) == B && k_pool.size(2) == D && K > 0 && H % K == 0,
+              "q ", q.sizes(), " does not match pools ", k_pool.sizes(), " and slots ", slots.sizes());
+  TORCH_CHECK(k_pool.stride(2) == 1 && k_pool.strides() == v_pool.strides() &&
+                  k_pool.scalar_type() == v_pool.scalar_type(),
+              "the pools must share one layout with contiguous rows");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && positions.numel() == B,
+              "slots and positions must be int64");
+  const auto pos = positions.contiguous();
+  const auto table = slots.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t pool_slots = k_pool.size(0);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(pp[b] >= 0 && pp[b] < S, "position ", pp[b], " is outside the table's ", S, " slots");
+    for (int64_t j = first_visible(pp[b], window); j <= pp[b]; ++j)
+      TORCH_CHECK(tp[b * S + j] >= 0 && tp[b * S + j] < pool_slots, "slot ", tp[b * S + j], " of row ", b,
+                  " is outside the pool's ", pool_slots);
+  }
+  const auto qf = q.to(at::kFloat).contiguous();
+  auto out = at::empty({B, H, D}, qf.options());
+  const float* qp = qf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t group = H / K;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_pool.scalar_type(), "paged_decode_attention", [&] {
+    const scalar_t* kp = k_pool.data_ptr<scalar_t>();
+    const scalar_t* vp = v_pool.data_ptr<scalar_t>();
+    const int64_t ss = k_pool.stride(0), sk = k_pool.stride(1);
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t b = i / H, h = i % H, p = pp[b], first = first_visible(p, window);
+        const int64_t offset = (h / group) * sk;
+        attend_head(qp + i * D, kp + offset, vp + offset, Indexed{tp + b * S + first, ss}, p - first + 1, D,
+                    static_cast<float>(scale), scores, op + i * D);
       }
     });
   });
@@ -181,6 +245,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 EMBER_LIBRARY_FRAGMENT(EMBER_CPU_NAMESPACE, m) {
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor positions, float scale, int window)"
         " -> Tensor");
+  m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor positions, "
+        "float scale, int window) -> Tensor");
 }
 
-EMBER_LIBRARY_IMPL(EMBER_CPU_NAMESPACE, CPU, m) { m.impl("decode_attention", &decode_attention); }
+EMBER_LIBRARY_IMPL(EMBER_CPU_NAMESPACE, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
