@@ -149,6 +149,25 @@ void attend_head(const float* q, const T* k, const T* v, Rows row, int64_t n, in
 // The first slot a query at position p sees: 0, or with a sliding window the last `window` (p - window < slot).
 inline int64_t first_visible(int64_t p, int64_t window) { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }
 
+// Calls head(kv dtype tag, row b, kv head g, q row, out row, scores buffer) for every (row, query head) on
+// torch's threads: q in float32, the result back in q's dtype. K kv heads, each serving H / K query heads.
+template <typename Head>
+at::Tensor each_head(const at::Tensor& q, at::ScalarType kv_dtype, int64_t K, Head head) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), group = H / K;
+  const auto qf = q.to(at::kFloat).contiguous();
+  auto out = at::empty({B, H, D}, qf.options());
+  const float* qp = qf.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_dtype, "decode_attention", [&] {
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t i = begin; i < end; ++i)
+        head(scalar_t{}, i / H, (i % H) / group, qp + i * D, op + i * D, scores);
+    });
+  });
+  return out.to(q.scalar_type());
+}
+
 // q (B, H, D), caches (B, K, S, D) already holding this step's keys and values, positions (B,) int64 ->
 // (B, H, D) in q's dtype. Row b's query at position p sees slots 0..p, and with window > 0 only the last
 // `window` of them (p - window < slot).
@@ -168,26 +187,15 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   const int64_t* pp = pos.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(pp[b] >= 0 && pp[b] < S, "position ", pp[b], " is outside the cache's ", S, " slots");
-  const auto qf = q.to(at::kFloat).contiguous();
-  auto out = at::empty({B, H, D}, qf.options());
-  const float* qp = qf.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t group = H / K;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "decode_attention", [&] {
-    const scalar_t* kp = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vp = v_cache.data_ptr<scalar_t>();
-    const int64_t sb = k_cache.stride(0), sk = k_cache.stride(1), ss = k_cache.stride(2);
-    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / H, h = i % H, p = pp[b], first = first_visible(p, window);
-        const int64_t offset = b * sb + (h / group) * sk;
-        attend_head(qp + i * D, kp + offset, vp + offset, Consecutive{first, ss}, p - first + 1, D,
-                    static_cast<float>(scale), scores, op + i * D);
-      }
-    });
+  const int64_t sb = k_cache.stride(0), sk = k_cache.stride(1), ss = k_cache.stride(2);
+  return each_head(q, k_cache.scalar_type(), K, [&](auto tag, int64_t b, int64_t g, const float* qi, float* oi,
+                                                    std::vector<float>& scores) {
+    using T = decltype(tag);
+    const int64_t offset = b * sb + g * sk, p = pp[b], first = first_visible(p, window);
+    attend_head(qi, static_cast<const T*>(k_cache.const_data_ptr()) + offset,
+                static_cast<const T*>(v_cache.const_data_ptr()) + offset, Consecutive{first, ss}, p - first + 1, D,
+                static_cast<float>(scale), scores, oi);
   });
-  return out.to(q.scalar_type());
 }
 
 // q (B, H, D), pools (slots, K, D) already holding this step's keys and values, slots (B, S) int64 (row b's
@@ -218,26 +226,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
       TORCH_CHECK(tp[b * S + j] >= 0 && tp[b * S + j] < pool_slots, "slot ", tp[b * S + j], " of row ", b,
                   " is outside the pool's ", pool_slots);
   }
-  const auto qf = q.to(at::kFloat).contiguous();
-  auto out = at::empty({B, H, D}, qf.options());
-  const float* qp = qf.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t group = H / K;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_pool.scalar_type(), "paged_decode_attention", [&] {
-    const scalar_t* kp = k_pool.data_ptr<scalar_t>();
-    const scalar_t* vp = v_pool.data_ptr<scalar_t>();
-    const int64_t ss = k_pool.stride(0), sk = k_pool.stride(1);
-    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t b = i / H, h = i % H, p = pp[b], first = first_visible(p, window);
-        const int64_t offset = (h / group) * sk;
-        attend_head(qp + i * D, kp + offset, vp + offset, Indexed{tp + b * S + first, ss}, p - first + 1, D,
-                    static_cast<float>(scale), scores, op + i * D);
-      }
-    });
+  const int64_t ss = k_pool.stride(0), sk = k_pool.stride(1);
+  return each_head(q, k_pool.scalar_type(), K, [&](auto tag, int64_t b, int64_t g, const float* qi, float* oi,
+                                                   std::vector<float>& scores) {
+    using T = decltype(tag);
+    const int64_t p = pp[b], first = first_visible(p, window);
+    attend_head(qi, static_cast<const T*>(k_pool.const_data_ptr()) + g * sk,
+                static_cast<const T*>(v_pool.const_data_ptr()) + g * sk, Indexed{tp + b * S + first, ss},
+                p - first + 1, D, static_cast<float>(scale), scores, oi);
   });
-  return out.to(q.scalar_type());
 }
 
 }  // namespace
