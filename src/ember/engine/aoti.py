@@ -63,7 +63,12 @@ def _source_hash() -> str:
     h = hashlib.sha256()
     root = Path(ember.__file__).parent
     for entry in _TRACED_SOURCES:
-        paths = [root / entry] if entry.endswith(".py") else sorted((root / entry).rglob("*.py"))
+        # Folders: their Python and the C++ of the ops a step calls by name (ops/csrc: schemas, behaviour).
+        paths = (
+            [root / entry]
+            if entry.endswith(".py")
+            else sorted(p for p in (root / entry).rglob("*") if p.suffix in (".py", ".cpp", ".h"))
+        )
         for path in paths:
             h.update(str(path.relative_to(root)).encode())
             h.update(path.read_bytes())

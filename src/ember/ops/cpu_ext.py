@@ -54,6 +54,15 @@ def fits(out_features: int, in_features: int) -> bool:
     return out_features % TILE == 0 and in_features % BLOCK == 0
 
 
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next(ln for ln in f if ln.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
 def _cpu_ident() -> str:
     """The CPU's model and flags: a library built with -march=native runs only where its instructions do."""
     try:

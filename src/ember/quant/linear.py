@@ -35,14 +35,7 @@ def _cpu_has_bf16() -> bool:
     forced = os.environ.get("EMBER_CPU_BF16")
     if forced in ("0", "1"):
         return forced == "1"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return bool(set(line.split(":", 1)[1].split()) & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
+    return bool(cpu_ext.cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 # The dtype of the GEMMs below, decided at import (a compiled forward reads it as a constant): bf16 where the

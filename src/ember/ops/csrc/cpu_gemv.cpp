@@ -103,7 +103,6 @@ inline F16x load_half(const at::Half* p) {
 inline F16x load_float(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline F16x fmul_scalar(F16x a, float s) { return {_mm512_mul_ps(a.v, _mm512_set1_ps(s))}; }
 inline F16x fma(F16x a, F16x b, F16x c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
-inline F16x fadd(F16x a, F16x b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline F16x fmul(F16x a, F16x b) { return {_mm512_mul_ps(a.v, b.v)}; }
 inline void store(float* p, F16x a) { _mm512_storeu_ps(p, a.v); }
 // int8 weights are stored plus 128, so a dot product of unsigned weights over one block of activations
@@ -166,7 +165,6 @@ inline F16x fmul_scalar(F16x a, float s) {
 inline F16x fma(F16x a, F16x b, F16x c) {
   return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
-inline F16x fadd(F16x a, F16x b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline F16x fmul(F16x a, F16x b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline void store(float* p, F16x a) {
   _mm256_storeu_ps(p, a.lo);
@@ -252,10 +250,6 @@ inline F16x fmul_scalar(F16x a, float s) {
 inline F16x fma(F16x a, F16x b, F16x c) {
   for (int l = 0; l < kTile; ++l) c.v[l] = std::fma(a.v[l], b.v[l], c.v[l]);
   return c;
-}
-inline F16x fadd(F16x a, F16x b) {
-  for (int l = 0; l < kTile; ++l) a.v[l] += b.v[l];
-  return a;
 }
 inline F16x fmul(F16x a, F16x b) {
   for (int l = 0; l < kTile; ++l) a.v[l] *= b.v[l];
