@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ember.ops.launch import launch_options
-from ember.quant import tuning
+from ember.quant import cuda_gemv, tuning
 from ember.quant.kernels import TILED_X_EXP
 
 X_EXP = tl.constexpr(TILED_X_EXP)
@@ -548,11 +548,20 @@ def fused_gemv(
         consts["MAGIC"] = int8_magic() if int8 else 0
     grid = lambda b: (triton.cdiv(N, b["BLOCK_N"]) * M,)  # noqa: E731
 
+    cuda = int8 and cuda_gemv.fits(x, weight, scales)
+
     def run(b: dict, w: tuple[torch.Tensor, ...]) -> None:
+        if "CUDA" in b:
+            if cuda:
+                cuda_gemv.gemv(x, w[0], w[-1], y, b["CUDA"], glu, consts["PDL"])
+                return
+            b = INT8_BLOCKS[0]
         _gemv_kernel[grid(b)](x, w[0], w[-1], y, N, M, K, **{"EVEN_K": K % b["BLOCK_K"] == 0, **consts, **b})
 
     if blocks is None:
         configs = INT8_BLOCKS if int8 else FLOAT_BLOCKS
+        if cuda:
+            configs = configs + [{"CUDA": c} for c in (cuda_gemv.GLU_CONFIGS if glu else cuda_gemv.CONFIGS)]
         key = ("gemv", int8, glu, M, N, K, weight.dtype, x.dtype)
         blocks = tuning.pick(key, configs, run, (weight, scales) if int8 else (weight,))
     run(blocks, (weight, scales) if int8 else (weight,))

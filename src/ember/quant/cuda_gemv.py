@@ -1,0 +1,95 @@
+"""The int8 decode GEMV in CUDA C++ (`csrc/int8_gemv.cu`, built by NVRTC: `ember.ops.cuda_rtc`).
+
+Same function as the Triton int8 GEMV (`triton_kernels.fused_gemv` with int8 codes, plain or gate/up with
+SwiGLU): its configurations join that op's tuner candidates, so each shape runs whichever kernel is faster
+on the device in hand. A configuration is a block shape (`CONFIGS`).
+
+Shape legend: M rows of activations, K input features, N output features.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ember.ops import cuda_rtc
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "int8_gemv.cu"
+CHUNK = 16  # bytes of codes a thread loads at a time: K must be a multiple
+# (R, U, WARPS) the tuner times: R output rows a block (2R with GLU), U chunks of each row a thread keeps in
+# flight (and U more loading while it multiplies those), WARPS warps a block. Each is within 1-2% of the
+# best for some Llama-3-8B projection on an H200 (BENCHMARKS.md, twenty-first session).
+CONFIGS = [(4, 1, 2), (4, 1, 4), (8, 1, 4), (4, 2, 2), (2, 1, 4)]
+GLU_CONFIGS = [(2, 1, 2), (4, 1, 4), (2, 1, 4), (2, 2, 2)]
+_DTYPES = {torch.bfloat16: "true", torch.float16: "false"}
+
+
+def _name(dtype: torch.dtype, config: tuple[int, int, int], glu: bool) -> str:
+    r, u, w = config
+    return f"int8_gemv<{_DTYPES[dtype]}, {r}, {u}, {w}, {'true' if glu else 'false'}>"
+
+
+def _all_names() -> list[str]:
+    return [
+        _name(dtype, c, glu)
+        for dtype in _DTYPES
+        for glu, configs in ((False, CONFIGS), (True, GLU_CONFIGS))
+        for c in configs
+    ]
+
+
+_FAILED: set[int] = set()  # devices where the build failed (logged once)
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether the CUDA kernel takes these operands (else the Triton kernel runs)."""
+    K = x.shape[1]
+    return (
+        x.is_cuda
+        and x.dtype in _DTYPES
+        and scales.dtype == x.dtype
+        and weight.dtype == torch.int8
+        and K % CHUNK == 0
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and x.data_ptr() % 16 == 0
+        and weight.data_ptr() % 16 == 0
+        and cuda_rtc.available()
+    )
+
+
+def kernels(device: torch.device) -> dict | None:
+    """The built kernels for `device`, or None where they cannot be built (logged once)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index in _FAILED:
+        return None
+    try:
+        return cuda_rtc.load(SOURCE, _all_names(), device)
+    except cuda_rtc.CudaError as e:
+        log.warning("Ember's CUDA int8 GEMV could not be built (%s); the Triton kernel runs instead", e)
+        _FAILED.add(index)
+        return None
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    y: torch.Tensor,
+    config: tuple[int, int, int],
+    glu: bool,
+    pdl: bool,
+) -> None:
+    """y (M, N) = x (M, K) @ (weight * scales).T, or silu(gate) * up with glu (N = weight rows / 2)."""
+    fns = kernels(x.device)
+    if fns is None:
+        raise cuda_rtc.CudaError("the CUDA int8 GEMV is not built")
+    M, K = x.shape
+    N = y.shape[1]
+    r, _, warps = config
+    args = (x, weight, scales, y, N, K, M)
+    cuda_rtc.launch(fns[_name(x.dtype, config, glu)], -(-N // r) * M, warps * 32, args, x.device, pdl)
