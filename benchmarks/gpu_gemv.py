@@ -11,6 +11,8 @@ them), cycling through enough weight copies to defeat the 50 MB L2, median of se
     python benchmarks/gpu_gemv.py --kinds int8 int4t tinygemm --rows 4   # batched decoding
     python benchmarks/gpu_gemv.py --kinds int8glu bf16glu --shapes gate_up   # the fused SwiGLU GEMV
     python benchmarks/gpu_gemv.py --kinds int4mma int4t --shapes qkv o gate_up down   # int4 on tensor cores
+    python benchmarks/gpu_gemv.py --kinds int8 int8cu --shapes qkv o down lm_head   # int8: Triton vs CUDA C++
+    python benchmarks/gpu_gemv.py --kinds int8glu int8cuglu --shapes gate_up
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def weights_for(kind: str, N: int, K: int, copies: int):
     )
 
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
-    kind = kind.removesuffix("glu")  # the fused gate/up kernel reads the same weights
+    kind = kind.removesuffix("glu").removesuffix("cu")  # fused gate/up and the CUDA C++ kernel: same weights
     if kind == "bf16":
         one = (w,)
     elif kind == "int8":
@@ -104,6 +106,17 @@ def kernel_calls(kind: str, x: torch.Tensor, ws, config: dict | None):
         return lambda i: tk.float_gemv(x, ws[i % len(ws)][0], blocks=config)
     if kind == "int8":
         return lambda i: tk.int8_gemv(x, *ws[i % len(ws)], blocks=config)
+    if kind in (
+        "int8cu",
+        "int8cuglu",
+    ):  # Ember's CUDA C++ int8 GEMV (`ember.quant.cuda_gemv`), one block shape
+        from ember.quant import cuda_gemv
+
+        glu = kind == "int8cuglu"
+        N = ws[0][0].shape[0] // (2 if glu else 1)
+        y = torch.empty(x.shape[0], N, device=x.device, dtype=x.dtype)
+        shape = tuple(config["CUDA"])
+        return lambda i: cuda_gemv.gemv(x, *ws[i % len(ws)], y, shape, glu, pdl=False)
     if kind in ("bf16glu", "int8glu"):  # gate rows over up rows -> silu(gate) * up, as the MLP runs it
         return lambda i: tk.fused_gemv(x, *ws[i % len(ws)], glu=True, blocks=config)
     if kind == "int4":
@@ -129,6 +142,12 @@ def kernel_calls(kind: str, x: torch.Tensor, ws, config: dict | None):
 
 
 def configs_for(kind: str, K: int) -> list[dict]:
+    if kind in ("int8cu", "int8cuglu"):
+        from ember.quant import cuda_gemv
+
+        return [
+            {"CUDA": list(c)} for c in (cuda_gemv.GLU_CONFIGS if kind == "int8cuglu" else cuda_gemv.CONFIGS)
+        ]
     if kind == "int4mma":  # warps per program x runs of K's groups (float32 partials, unsummed)
         groups = K // GROUP
         return [
