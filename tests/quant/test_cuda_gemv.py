@@ -140,3 +140,33 @@ def test_in_a_cuda_graph_with_pdl_and_through_the_op():
     tuning._picked.clear()
     out = kernels.int8_linear(x, q, s)  # the op times Triton's tiles and these configs, and runs the fastest
     assert rel_err(out, int8_linear_reference(x.float(), q, s.float())) < 1e-2
+
+
+@needs_cuda
+def test_built_and_launched_from_a_thread_that_made_no_cuda_call():
+    # A tuner's worker or a server's engine thread has no current CUDA context until a runtime call makes
+    # one; the driver calls (module load, launch) must not depend on it (seen failing on an H200 before).
+    import threading
+
+    from ember.ops import cuda_rtc
+
+    dev = torch.device("cuda")
+    q, s = quantize_int8_per_channel(torch.randn(256, 512, device=dev) * 0.05)
+    s = s.to(torch.bfloat16)
+    x = torch.randn(1, 512, device=dev, dtype=torch.bfloat16)
+    y = torch.full((1, 256), float("nan"), device=dev, dtype=torch.bfloat16)
+    cuda_rtc._MODULES.clear()
+    errors = []
+
+    def work():
+        try:
+            cuda_gemv.gemv(x, q, s, y, cuda_gemv.CONFIGS[0], False, pdl=False)
+        except Exception as e:  # reported in the main thread
+            errors.append(e)
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    assert not errors, errors
+    torch.cuda.synchronize()
+    assert rel_err(y, int8_linear_reference(x.float(), q, s.float())) < 1e-2

@@ -150,6 +150,31 @@ def compile_cubin(source: str, names: list[str], arch: str, filename: str) -> tu
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
+_PRIMARY: dict[int, ctypes.c_void_p] = {}
+
+
+def _make_current(index: int) -> None:
+    """Make device `index`'s primary context (torch's) current on this thread. A thread that has made no CUDA
+    runtime call yet has none (a tuner's worker, a server's engine thread), and driver calls need one."""
+    lib = _driver()
+    ctx, dev = ctypes.c_void_p(), ctypes.c_int()
+    _check(lib, lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    if ctx.value:
+        _check(lib, lib.cuCtxGetDevice(ctypes.byref(dev)), "cuCtxGetDevice")
+        if dev.value == index:
+            return
+    if index not in _PRIMARY:
+        primary = ctypes.c_void_p()
+        _check(lib, lib.cuDeviceGet(ctypes.byref(dev), index), "cuDeviceGet")
+        _check(lib, lib.cuDevicePrimaryCtxRetain(ctypes.byref(primary), dev), "cuDevicePrimaryCtxRetain")
+        _PRIMARY[index] = primary
+    _check(lib, lib.cuCtxSetCurrent(_PRIMARY[index]), "cuCtxSetCurrent")
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def _arch(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return f"{major}{minor}"
@@ -158,7 +183,7 @@ def _arch(device: torch.device) -> str:
 def load(path: Path, names: list[str], device: torch.device) -> dict[str, ctypes.c_void_p]:
     """The kernels `names` (template instances) of the CUDA source at `path`, built for `device`, as driver
     function handles. Built once per process and cached on disk; raises CudaError if that fails."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _index(device)
     key = (str(path), tuple(names), index)
     with _LOCK:
         if key in _MODULES:
@@ -179,16 +204,15 @@ def load(path: Path, names: list[str], device: torch.device) -> dict[str, ctypes
             tmp.replace(cubin_file)
             names_file.write_text("".join(f"{n}\t{lowered[n]}\n" for n in names))
         lib = _driver()
-        with torch.cuda.device(index):
-            torch.cuda.init()
-            torch.empty(1, device=device)  # the primary context is current on this thread
-            module = ctypes.c_void_p()
-            _check(lib, lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
-            functions = {}
-            for name in names:
-                fn = ctypes.c_void_p()
-                _check(lib, lib.cuModuleGetFunction(ctypes.byref(fn), module, lowered[name].encode()), name)
-                functions[name] = fn
+        torch.cuda.init()
+        _make_current(index)
+        module = ctypes.c_void_p()
+        _check(lib, lib.cuModuleLoadData(ctypes.byref(module), cubin), "cuModuleLoadData")
+        functions = {}
+        for name in names:
+            fn = ctypes.c_void_p()
+            _check(lib, lib.cuModuleGetFunction(ctypes.byref(fn), module, lowered[name].encode()), name)
+            functions[name] = fn
         _MODULES[key] = functions
         return functions
 
@@ -224,6 +248,7 @@ def launch(
         attr.value.flag = 1
         config.attrs = ctypes.pointer(attr)
         config.num_attrs = 1
+    _make_current(_index(device))
     lib = _driver()
     _check(lib, lib.cuLaunchKernelEx(ctypes.byref(config), fn, params, None), "cuLaunchKernelEx")
 
