@@ -171,7 +171,8 @@ def _make_current(index: int) -> None:
     _check(lib, lib.cuCtxSetCurrent(_PRIMARY[index]), "cuCtxSetCurrent")
 
 
-def _index(device: torch.device) -> int:
+def device_index(device: torch.device) -> int:
+    """The CUDA device's index (the current device for a bare 'cuda')."""
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
@@ -183,7 +184,7 @@ def _arch(device: torch.device) -> str:
 def load(path: Path, names: list[str], device: torch.device) -> dict[str, ctypes.c_void_p]:
     """The kernels `names` (template instances) of the CUDA source at `path`, built for `device`, as driver
     function handles. Built once per process and cached on disk; raises CudaError if that fails."""
-    index = _index(device)
+    index = device_index(device)
     key = (str(path), tuple(names), index)
     with _LOCK:
         if key in _MODULES:
@@ -200,9 +201,10 @@ def load(path: Path, names: list[str], device: torch.device) -> dict[str, ctypes
             cubin, lowered = compile_cubin(source, names, arch, path.name)
             cache.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(cubin)
+            tmp.write_text("".join(f"{n}\t{lowered[n]}\n" for n in names))
+            tmp.replace(names_file)
+            tmp.write_bytes(cubin)  # last: a reader takes the pair only once the cubin is there
             tmp.replace(cubin_file)
-            names_file.write_text("".join(f"{n}\t{lowered[n]}\n" for n in names))
         lib = _driver()
         torch.cuda.init()
         _make_current(index)
@@ -248,7 +250,7 @@ def launch(
         attr.value.flag = 1
         config.attrs = ctypes.pointer(attr)
         config.num_attrs = 1
-    _make_current(_index(device))
+    _make_current(device_index(device))
     lib = _driver()
     _check(lib, lib.cuLaunchKernelEx(ctypes.byref(config), fn, params, None), "cuLaunchKernelEx")
 

@@ -56,6 +56,7 @@ def fits(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> bool:
         and K % CHUNK == 0
         and x.is_contiguous()
         and weight.is_contiguous()
+        and scales.is_contiguous()
         and x.data_ptr() % 16 == 0
         and weight.data_ptr() % 16 == 0
         and cuda_rtc.available()
@@ -64,7 +65,7 @@ def fits(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> bool:
 
 def kernels(device: torch.device) -> dict | None:
     """The built kernels for `device`, or None where they cannot be built (logged once)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_rtc.device_index(device)
     if index in _FAILED:
         return None
     try:
