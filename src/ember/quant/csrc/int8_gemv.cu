@@ -59,21 +59,9 @@ __device__ __forceinline__ void pair(u32 v, float& lo, float& hi) {
   }
 }
 
-__device__ __forceinline__ uint4 load_stream(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ uint4 load_cached(const uint4* p) {
-  uint4 v;
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
+// Weights: read once a step, streamed (evict-first). Activations: read by every block, kept in L1 and L2.
+__device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p); }
+__device__ __forceinline__ uint4 load_cached(const uint4* p) { return __ldg(p); }
 
 // acc += the 4 codes of word w, each as the float 32768 + u (u = q + 128), times x[0..3]: u under 2^15's
 // exponent (bits 8-15 of the mantissa) by one byte permute each. 32896 * sum(x) is taken off at the end.
