@@ -6,13 +6,13 @@ first use for the GPU in hand by NVRTC, the run-time compiler that CUDA builds o
 (nvidia-cuda-nvrtc): no toolkit, no nvcc, no C++ compiler on the user's machine. A build takes about a
 second; the cubin is cached per source, device and NVRTC version in `$EMBER_CACHE_DIR/kernels/`.
 
-    module = load(source_path, ["int8_gemv<true, 4, 2, 4, false, 0>"], device)
-    launch(module["int8_gemv<true, 4, 2, 4, false, 0>"], grid, block, (x, w, s, y, N, K, M), pdl=True)
+    kernels = load(source_path, ["int8_gemv<true, 4, 1, 4, false>"], device)
+    launch(kernels["int8_gemv<true, 4, 1, 4, false>"], grid, block, (x, w, s, y, N, K, M), device, pdl=True)
 
 `launch` passes tensors as device pointers and Python ints as C ints, on torch's current stream, so CUDA
 graph capture records it like any other kernel; `pdl=True` launches with programmatic dependent launch
 (`ember.ops.launch`: the kernel must call griddepcontrol.wait before reading what an earlier kernel wrote).
-`available(device)` is False where NVRTC or the driver library cannot be loaded (one log line says why):
+`available()` is False where NVRTC or the driver library cannot be loaded (one log line says why):
 callers then keep their Triton kernels.
 """
 
@@ -77,9 +77,8 @@ def _driver() -> ctypes.CDLL:
 def _nvrtc_candidates() -> list[str]:
     major = (torch.version.cuda or "12").split(".")[0]
     names = [f"libnvrtc.so.{major}", "libnvrtc.so"]
-    roots = {os.path.dirname(os.path.dirname(torch.__file__))}  # site-packages holding torch and nvidia/*
-    for root in roots:
-        names += sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so*")))
+    site = os.path.dirname(os.path.dirname(torch.__file__))  # holds torch and the nvidia/* wheels
+    names += sorted(glob.glob(os.path.join(site, "nvidia", "*", "lib", "libnvrtc.so*")))
     cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
     names += sorted(glob.glob(os.path.join(cuda_home, "lib64", "libnvrtc.so*")))
     return [n for n in names if "builtins" not in n and "alt" not in os.path.basename(n)]
