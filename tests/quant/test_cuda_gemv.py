@@ -78,6 +78,26 @@ def test_offset_codes_sum_at_the_outputs_rounding():
     assert float((total.double() - exact).norm() / exact.norm()) < 1e-3
 
 
+def test_kernel_arguments_are_packed_as_the_driver_reads_them():
+    # cuLaunchKernelEx reads argument i at params[i]: a device pointer (8 bytes) for a tensor, a C int for an int.
+    import ctypes
+
+    from ember.ops import cuda_rtc
+
+    t, u = torch.zeros(3), torch.zeros(5, dtype=torch.int8)
+    args = (t, 4096, u, -7, 2**31 - 1)
+    values, params = cuda_rtc.pack(args)
+    read = [
+        ctypes.c_void_p.from_address(params[i]).value
+        if isinstance(a, torch.Tensor)
+        else ctypes.c_int.from_address(params[i]).value
+        for i, a in enumerate(args)
+    ]
+    assert read == [t.data_ptr(), 4096, u.data_ptr(), -7, 2**31 - 1]
+    with pytest.raises(TypeError, match="float"):
+        cuda_rtc.pack((t, 1.5))
+
+
 def _cuda_ready() -> bool:
     if not torch.cuda.is_available():
         return False

@@ -229,15 +229,7 @@ def launch(
 ) -> None:
     """Launch `fn` on torch's current stream of `device`: tensors go as pointers, ints as C ints."""
     grid = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
-    values = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            values.append(ctypes.c_void_p(a.data_ptr()))
-        elif isinstance(a, int):
-            values.append(ctypes.c_int(a))
-        else:
-            raise TypeError(f"kernel argument of type {type(a).__name__}: expected a tensor or an int")
-    params = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values])
+    values, params = pack(args)
     config = _LaunchConfig()
     config.grid[:] = grid
     config.block[:] = (block, 1, 1)
@@ -252,6 +244,31 @@ def launch(
     _make_current(device_index(device))
     lib = _driver()
     _check(lib, lib.cuLaunchKernelEx(ctypes.byref(config), fn, params, None), "cuLaunchKernelEx")
+
+
+@functools.cache
+def _arg_layout(pointers: tuple[bool, ...]) -> tuple[type, tuple[int, ...], type]:
+    """A C struct of the kernel's arguments (pointer or int each), its fields' offsets, the params array type."""
+    fields = [(f"a{i}", ctypes.c_void_p if p else ctypes.c_int) for i, p in enumerate(pointers)]
+    struct = type("KernelArgs", (ctypes.Structure,), {"_fields_": fields})
+    return (
+        struct,
+        tuple(getattr(struct, f"a{i}").offset for i in range(len(fields))),
+        ctypes.c_void_p * len(fields),
+    )
+
+
+def pack(args: tuple) -> tuple[ctypes.Structure, ctypes.Array]:
+    """Kernel arguments -> (their values in one C struct, the array of their addresses that a launch takes).
+    Tensors go as device pointers, Python ints as C ints; keep the struct alive until the launch returns."""
+    for a in args:
+        if not isinstance(a, (torch.Tensor, int)):
+            raise TypeError(f"kernel argument of type {type(a).__name__}: expected a tensor or an int")
+    pointers = tuple(isinstance(a, torch.Tensor) for a in args)
+    struct, offsets, array = _arg_layout(pointers)
+    values = struct(*[a.data_ptr() if p else a for a, p in zip(args, pointers, strict=True)])
+    base = ctypes.addressof(values)
+    return values, array(*[base + o for o in offsets])
 
 
 @functools.cache
