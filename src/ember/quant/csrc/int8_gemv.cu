@@ -1,14 +1,13 @@
-// Ember's int8 weight-only GEMVs for CUDA decode steps, compiled at run time by NVRTC (ember.ops.cuda_rtc).
+// Ember's int8 weight-only GEMV for CUDA decode steps, compiled at run time by NVRTC (ember.ops.cuda_rtc).
 //
 // y[m, n] = round(scale[n] * sum_k q[n, k] * x[m, k]) for a few activation rows m: q int8 codes (N, K)
 // row-major, scale (N,) and x, y in bf16 or fp16 (raw 16-bit words here: no CUDA headers needed). GLU: the
 // weight is gate rows over up rows and y[m, n] = silu(gate) * up, each rounded where the unfused ops round.
 //
-// Decoding reads every weight once per token, so these kernels are judged by bytes of weights per second.
-// The work comes in units: R output rows (2R with GLU) of one activation row. A block's threads walk a
-// unit's K together, each taking 16-byte chunks of every row (16 codes) a block-width apart; the partial sums
-// meet in shuffles and shared memory at the unit's end. What they do that the Triton GEMV could not be made
-// to do:
+// Decoding reads every weight once per token, so this kernel is judged by bytes of weights per second.
+// A block owns R output rows (2R with GLU) of one activation row, and its threads walk K together, each
+// taking 16-byte chunks of every row (16 codes) a block-width apart; the partial sums meet in shuffles and
+// shared memory at the end. What it does that the Triton GEMV could not be made to do:
 // - the next chunks' weights are loaded before this chunk's are multiplied (a register double buffer),
 //   streamed with the evict-first hint;
 // - a thread's 16 activations are loaded and converted once for its R rows;
@@ -17,8 +16,8 @@
 //   activation, not per weight). The float32 sums stay well under the bf16 output's rounding (tested);
 // - launched with programmatic dependent launch: the first weights load before griddepcontrol.wait.
 //
-// One unit a block (a persistent grid of a few blocks a multiprocessor, walking units with the next unit's
-// weights in flight across its reduction, was no faster on an H200: BENCHMARKS.md, twenty-first session).
+// (A persistent grid of a few blocks a multiprocessor, each walking row blocks with the next one's weights in
+// flight across its reduction, was slower on an H200: BENCHMARKS.md, twenty-first session.)
 
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -104,7 +103,7 @@ struct Sums {
   }
 };
 
-// The block's sums for its unit -> y. red: WARPS x (NR + 1) floats of shared memory; every thread calls it.
+// The block's sums -> y. red: WARPS x (NR + 1) floats of shared memory; every thread calls it.
 template <bool BF16, int R, int WARPS, bool GLU>
 __device__ __forceinline__ void finish(Sums<GLU ? 2 * R : R>& s, float* red, const u16* __restrict__ scale,
                                        u16* __restrict__ y, int m, int n0, int N) {
@@ -148,17 +147,6 @@ __device__ __forceinline__ void finish(Sums<GLU ? 2 * R : R>& s, float* red, con
   }
 }
 
-template <int NR, bool GLU>
-__device__ __forceinline__ void unit_rows(const signed char* __restrict__ w, int n0, int N, int K, int R,
-                                          const uint4** rows) {
-#pragma unroll
-  for (int r = 0; r < NR; ++r) {
-    int n = min(n0 + (r % R), N - 1);  // rows past N read row N - 1 and are not stored
-    if (GLU && r >= R) n += N;
-    rows[r] = reinterpret_cast<const uint4*>(w + (size_t)n * K);
-  }
-}
-
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;");
@@ -171,7 +159,7 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-// One unit a block: block b serves activation row b % M and rows (b / M) * R onwards; a thread keeps U
+// Block b serves activation row b % M and rows (b / M) * R onwards; a thread keeps U
 // chunks of each row in flight, and the next U while it multiplies these.
 template <bool BF16, int R, int U, int WARPS, bool GLU>
 __global__ void __launch_bounds__(WARPS * 32) int8_gemv(const u16* __restrict__ x, const signed char* __restrict__ w,
@@ -184,7 +172,12 @@ __global__ void __launch_bounds__(WARPS * 32) int8_gemv(const u16* __restrict__ 
   const int n0 = (blockIdx.x / M) * R;
   const int C = K >> 4;  // 16-byte chunks a row
   const uint4* rows[NR];
-  unit_rows<NR, GLU>(w, n0, N, K, R, rows);
+#pragma unroll
+  for (int r = 0; r < NR; ++r) {
+    int n = min(n0 + (r % R), N - 1);  // rows past N read row N - 1 and are not stored
+    if (GLU && r >= R) n += N;       // the up rows of gate row n
+    rows[r] = reinterpret_cast<const uint4*>(w + (size_t)n * K);
+  }
   const uint4* xs = reinterpret_cast<const uint4*>(x + (size_t)m * K);
   Sums<NR> s;
   s.clear();
