@@ -33,7 +33,7 @@ def check_kernels() -> None:
     from ember.quant.linear import quantize_int8_per_channel
 
     dev, bf = "cuda", torch.bfloat16
-    worst = 0.0
+    worst = worst_cuda = 0.0
     for H, K, D, R in [(32, 8, 128, 128), (9, 3, 64, 64), (8, 4, 256, 256), (16, 16, 96, 32)]:
         rope = Rope(RopeConfig(theta=10000.0, rotary_dim=R, max_position_embeddings=8192))
         rope.init_buffers(dev)
@@ -55,7 +55,19 @@ def check_kernels() -> None:
                     err = max(rel(got, want), rel(gk, wk), rel(gv, wv))
                     worst = max(worst, err)
                     assert err < 2e-2, (H, K, D, R, S, window, splits, early, err)
-    print(f"decode attention (rope + cache write) vs reference: worst relative error {worst:.2e}")
+                from ember.ops import cuda_attention
+
+                if cuda_attention.fits(q, k, v, cos, sin, kc, vc, pos):
+                    for config in CUDA_VARIANTS:
+                        gk, gv = kc.clone(), vc.clone()
+                        got = cuda_attention.decode_attention(
+                            q, k, v, cos, sin, gk, gv, pos, D**-0.5, window, config=config[:3]
+                        )
+                        err = max(rel(got, want), rel(gk, wk), rel(gv, wv))
+                        worst_cuda = max(worst_cuda, err)
+                        assert err < 2e-2, (H, K, D, R, S, window, config, err)
+    print(f"decode attention (rope + cache write) vs reference: worst relative error {worst:.2e}"
+          f" (Triton), {worst_cuda:.2e} (CUDA C++)")  # fmt: skip
     worst = 0.0
     for N, K in [(28672, 4096), (16384, 2048), (3072, 576)]:
         x = torch.randn(1, K, device=dev, dtype=bf)
@@ -249,6 +261,70 @@ def time_attention_at(S: int, layers: int = 32) -> None:
               f"   (default {triton_attention.default_tiles(S, 128, prefetch=True)}; qkv GEMV alone {gemv * 1e6:.2f})", flush=True)  # fmt: skip
 
 
+# The CUDA C++ decode attention's variants timed: (warps, steps in flight, cluster blocks, L2 prefetch).
+CUDA_VARIANTS = [
+    (4, 8, 8, False),
+    (4, 8, 8, True),
+    (4, 4, 8, True),
+    (8, 4, 8, True),
+    (2, 8, 8, True),
+    (4, 8, 4, True),
+    (8, 8, 4, True),
+    (4, 8, 2, True),
+    (8, 8, 1, True),
+]
+
+
+def time_cuda_attention_at(S: int, layers: int = 32) -> None:
+    """us per Llama-3-8B layer at S slots: the Triton kernel at its default tiles against the CUDA C++ kernel's
+    variants, each after its layer's qkv GEMV in a CUDA graph (the GEMV alone subtracted)."""
+    from ember.ops import cuda_attention, triton_attention
+    from ember.quant import triton_kernels as tk
+
+    H, K, D = 32, 8, 128
+    bf = torch.bfloat16
+    caches = [(torch.randn(1, K, S, D, device="cuda", dtype=bf), torch.randn(1, K, S, D, device="cuda", dtype=bf))
+              for _ in range(layers)]  # fmt: skip
+    hidden = torch.randn(1, 4096, device="cuda", dtype=bf)
+    w_qkv = [torch.randn((H + 2 * K) * D, 4096, device="cuda", dtype=bf) * 0.02 for _ in range(layers)]
+    cos, sin = torch.rand(1, D, device="cuda"), torch.rand(1, D, device="cuda")
+
+    def split(t):
+        return (u.view(1, -1, D) for u in t.split([H * D, K * D, K * D], dim=-1))
+
+    def triton_call(i, pos):
+        qn, kn, vn = split(tk.float_gemv(hidden, w_qkv[i % layers]))
+        return triton_attention.decode_attention(
+            qn, kn, vn, cos, sin, *caches[i % layers], pos, D**-0.5, 0, *caches[(i + 1) % layers]
+        )
+
+    def cuda_call(i, pos, config, prefetch):
+        qn, kn, vn = split(tk.float_gemv(hidden, w_qkv[i % layers]))
+        return cuda_attention.decode_attention(
+            qn, kn, vn, cos, sin, *caches[i % layers], pos, D**-0.5, 0, *caches[(i + 1) % layers],
+            config=config, prefetch=prefetch,
+        )  # fmt: skip
+
+    gemv = timed_graph(lambda i: tk.float_gemv(hidden, w_qkv[i % layers]), layers)
+    for p in (S // 4, S // 2, S - 1):
+        pos = torch.tensor([p], device="cuda")
+        row = [timed_graph(lambda i, ps=pos: triton_call(i, ps), layers) - gemv]
+        for w, st, c, f in CUDA_VARIANTS:
+            row.append(
+                timed_graph(lambda i, ps=pos, cf=(w, st, c), f=f: cuda_call(i, ps, cf, f), layers) - gemv
+            )
+        print(f"{S:>6} {p:>6} " + " ".join(f"{t * 1e6:10.2f}" for t in row), flush=True)
+
+
+def time_cuda_attention() -> None:
+    heads = ["triton"] + [f"w{w}p{p}c{c}{'f' if f else ''}" for w, p, c, f in CUDA_VARIANTS]
+    print("decode attention after its qkv GEMV, Llama-3-8B layer, us per layer (GEMV time subtracted);"
+          " CUDA C++: w warps, p steps in flight, c blocks a cluster, f L2 prefetch of the next layer")  # fmt: skip
+    print(f"{'S':>6} {'pos':>6} " + " ".join(f"{h:>10}" for h in heads))
+    for S in (384, 512, 1024):
+        time_cuda_attention_at(S)
+
+
 def time_attention() -> None:
     print("decode attention after its qkv GEMV, Llama-3-8B layer, us per layer (SDPA: attention only, alone;"
           " Ember: rope + cache write + attention, GEMV time subtracted); s chunks, b slots/step, w warps,"
@@ -295,9 +371,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="check the kernels and a model; no timings")
     ap.add_argument("--argmax", action="store_true", help="time only the greedy argmax")
+    ap.add_argument(
+        "--cuda-attention", action="store_true", help="time only decode attention, Triton vs CUDA C++"
+    )
     args = ap.parse_args()
     if args.argmax:
         return time_argmax()
+    if args.cuda_attention:
+        return time_cuda_attention()
     if args.check:
         check_kernels()
         check_model()

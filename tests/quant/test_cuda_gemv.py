@@ -79,23 +79,25 @@ def test_offset_codes_sum_at_the_outputs_rounding():
 
 
 def test_kernel_arguments_are_packed_as_the_driver_reads_them():
-    # cuLaunchKernelEx reads argument i at params[i]: a device pointer (8 bytes) for a tensor, a C int for an int.
+    # cuLaunchKernelEx reads argument i at params[i]: a device pointer (8 bytes) for a tensor, a C int for an
+    # int, a C float for a float.
     import ctypes
 
     from ember.ops import cuda_rtc
 
     t, u = torch.zeros(3), torch.zeros(5, dtype=torch.int8)
-    args = (t, 4096, u, -7, 2**31 - 1)
+    args = (t, 4096, u, -7, 0.08838834764831845, 2**31 - 1)
     values, params = cuda_rtc.pack(args)
+    kinds = {torch.Tensor: ctypes.c_void_p, int: ctypes.c_int, float: ctypes.c_float}
     read = [
-        ctypes.c_void_p.from_address(params[i]).value
-        if isinstance(a, torch.Tensor)
-        else ctypes.c_int.from_address(params[i]).value
+        kinds[next(k for k in kinds if isinstance(a, k))].from_address(params[i]).value
         for i, a in enumerate(args)
     ]
-    assert read == [t.data_ptr(), 4096, u.data_ptr(), -7, 2**31 - 1]
-    with pytest.raises(TypeError, match="float"):
-        cuda_rtc.pack((t, 1.5))
+    assert read[:4] == [t.data_ptr(), 4096, u.data_ptr(), -7]
+    assert read[4] == pytest.approx(0.08838834764831845, rel=1e-7) and read[5] == 2**31 - 1
+    for bad in (True, "1", None):
+        with pytest.raises(TypeError, match="expected a tensor, an int or a float"):
+            cuda_rtc.pack((t, bad))
 
 
 def _cuda_ready() -> bool:

@@ -34,6 +34,7 @@ from ember.paths import cache_root
 log = logging.getLogger(__name__)
 
 ENV = "EMBER_CUDA_KERNELS"  # "0": never build or launch these kernels
+_CLUSTER_ATTRIBUTE = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 _PDL_ATTRIBUTE = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _LOCK = threading.Lock()
 _MODULES: dict[tuple, dict[str, ctypes.c_void_p]] = {}
@@ -44,7 +45,7 @@ class CudaError(RuntimeError):
 
 
 class _AttrValue(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int)]
+    _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int), ("dims", ctypes.c_uint * 3)]
 
 
 class _Attr(ctypes.Structure):
@@ -226,8 +227,10 @@ def launch(
     device: torch.device,
     pdl: bool = False,
     shared: int = 0,
+    cluster: int = 1,
 ) -> None:
-    """Launch `fn` on torch's current stream of `device`: tensors go as pointers, ints as C ints."""
+    """Launch `fn` on torch's current stream of `device`: tensors go as pointers, ints as C ints, floats as C
+    floats. cluster > 1: consecutive blocks along x form thread-block clusters of that many (sm_90+)."""
     grid = (grid, 1, 1) if isinstance(grid, int) else tuple(grid) + (1,) * (3 - len(grid))
     values, params = pack(args)
     config = _LaunchConfig()
@@ -235,21 +238,28 @@ def launch(
     config.block[:] = (block, 1, 1)
     config.shared = shared
     config.stream = torch.cuda.current_stream(device).cuda_stream
-    attr = _Attr()
+    attrs = (_Attr * 2)()
+    n = 0
     if pdl:
-        attr.id = _PDL_ATTRIBUTE
-        attr.value.flag = 1
-        config.attrs = ctypes.pointer(attr)
-        config.num_attrs = 1
+        attrs[n].id = _PDL_ATTRIBUTE
+        attrs[n].value.flag = 1
+        n += 1
+    if cluster > 1:
+        attrs[n].id = _CLUSTER_ATTRIBUTE
+        attrs[n].value.dims[:] = (cluster, 1, 1)
+        n += 1
+    if n:
+        config.attrs = ctypes.cast(attrs, ctypes.POINTER(_Attr))
+        config.num_attrs = n
     _make_current(device_index(device))
     lib = _driver()
     _check(lib, lib.cuLaunchKernelEx(ctypes.byref(config), fn, params, None), "cuLaunchKernelEx")
 
 
 @functools.cache
-def _arg_layout(pointers: tuple[bool, ...]) -> tuple[type, tuple[int, ...], type]:
-    """A C struct of the kernel's arguments (pointer or int each), its fields' offsets, the params array type."""
-    fields = [(f"a{i}", ctypes.c_void_p if p else ctypes.c_int) for i, p in enumerate(pointers)]
+def _arg_layout(kinds: tuple[type, ...]) -> tuple[type, tuple[int, ...], type]:
+    """A C struct of the kernel's arguments (of the C types `kinds`), its fields' offsets, the params array type."""
+    fields = [(f"a{i}", kind) for i, kind in enumerate(kinds)]
     struct = type("KernelArgs", (ctypes.Structure,), {"_fields_": fields})
     return (
         struct,
@@ -260,13 +270,20 @@ def _arg_layout(pointers: tuple[bool, ...]) -> tuple[type, tuple[int, ...], type
 
 def pack(args: tuple) -> tuple[ctypes.Structure, ctypes.Array]:
     """Kernel arguments -> (their values in one C struct, the array of their addresses that a launch takes).
-    Tensors go as device pointers, Python ints as C ints; keep the struct alive until the launch returns."""
+    Tensors go as device pointers, Python ints as C ints, floats as C floats; keep the struct alive until the
+    launch returns."""
+    kinds = []
     for a in args:
-        if not isinstance(a, (torch.Tensor, int)):
-            raise TypeError(f"kernel argument of type {type(a).__name__}: expected a tensor or an int")
-    pointers = tuple(isinstance(a, torch.Tensor) for a in args)
-    struct, offsets, array = _arg_layout(pointers)
-    values = struct(*[a.data_ptr() if p else a for a, p in zip(args, pointers, strict=True)])
+        if isinstance(a, torch.Tensor):
+            kinds.append(ctypes.c_void_p)
+        elif isinstance(a, (int, float)) and not isinstance(a, bool):
+            kinds.append(ctypes.c_int if isinstance(a, int) else ctypes.c_float)
+        else:
+            raise TypeError(
+                f"kernel argument of type {type(a).__name__}: expected a tensor, an int or a float"
+            )
+    struct, offsets, array = _arg_layout(tuple(kinds))
+    values = struct(*[a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args])
     base = ctypes.addressof(values)
     return values, array(*[base + o for o in offsets])
 

@@ -93,6 +93,16 @@ def _(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window, k_next=None
         and q.stride(1) == k.stride(1) == v.stride(1) == q.shape[-1]
         and cos.stride(0) == sin.stride(0)
     )
+    from ember.ops import cuda_attention
+
+    if k_cache.shape[2] <= cuda_attention.MAX_SLOTS and cuda_attention.fits(
+        q, k, v, cos, sin, k_cache, v_cache, positions
+    ):
+        out = cuda_attention.decode_attention(
+            q, k, v, cos, sin, k_cache, v_cache, positions, scale, window, k_next, v_next
+        )
+        if out is not None:
+            return out
     if HAS_TRITON and rows_ok and k_cache.is_contiguous() and v_cache.is_contiguous():
         from ember.ops import triton_attention
 

@@ -1,0 +1,406 @@
+// Ember's decode attention for CUDA, sm_90 and later, compiled at run time by NVRTC (ember.ops.cuda_rtc).
+//
+// One query token per row: rope on this step's q (B, H, D) and k (B, KV, D), k and v stored at the row's
+// position in the caches (B, KV, S, D), then attention over the slots up to that position. The same function
+// as the Triton kernel of `ember.ops.triton_attention` (and its reference), with a shorter critical path:
+// - the G = H / KV query heads of a kv head are one block's rows, so each cached key and value is read once;
+//   D / 8 threads hold one slot (8 dims, 16 bytes each), a warp 32 / (D / 8) slots at a time;
+// - a kv head's slots are split over a thread-block cluster of CL blocks; each block merges its warps'
+//   (max, sum, output) in shared memory, and the cluster's blocks merge theirs through distributed shared
+//   memory: no partials in global memory, no second kernel;
+// - launched with programmatic dependent launch, a block reads the row's position, cos, sin and the first
+//   P steps of its cached keys and values before griddepcontrol.wait, then q, k and v once the qkv
+//   projection has completed (why those reads are safe: `ember.ops.triton_attention`'s notes; this step's
+//   slot is never read from memory, each row's new key and value are attended from registers);
+// - exponentials in base 2, with scale * log2(e) folded into the roped query.
+// Rounding follows the reference: rope in the activation dtype (each product and the sum rounded), scores,
+// softmax and the output in float32, the output rounded once.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+#define NEG_INF __int_as_float(0xff800000u)  // -inf: no slot seen yet
+
+template <bool BF16>
+__device__ __forceinline__ float to_f32(u32 half) {
+  if (BF16) return __uint_as_float(half << 16);
+  float f;
+  unsigned short h = (unsigned short)half;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+template <bool BF16>
+__device__ __forceinline__ u16 from_f32(float f) {
+  u16 r;
+  if (BF16)
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  else
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+  return r;
+}
+
+template <bool BF16>
+__device__ __forceinline__ float round_to(float f) {
+  return to_f32<BF16>(from_f32<BF16>(f));
+}
+
+// The 8 16-bit values of a 16-byte word as floats, and back.
+template <bool BF16>
+__device__ __forceinline__ void unpack8(uint4 w, float* f) {
+  const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = to_f32<BF16>(words[i] & 0xFFFFu);
+    f[2 * i + 1] = to_f32<BF16>(words[i] >> 16);
+  }
+}
+
+template <bool BF16>
+__device__ __forceinline__ uint4 pack8(const float* f) {
+  u32 words[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) words[i] = (u32)from_f32<BF16>(f[2 * i]) | ((u32)from_f32<BF16>(f[2 * i + 1]) << 16);
+  return make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Ask L2 for [p, p + bytes) (16-byte multiples); nothing waits for it.
+__device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
+// Every thread of the cluster arrives; shared-memory writes before it are seen by reads after it.
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// A float of block `rank`'s shared memory, at the place of `p` in this block's.
+__device__ __forceinline__ float load_remote(const float* p, u32 rank) {
+  float v = 0.0f;
+#if __CUDA_ARCH__ >= 900
+  u32 local, remote;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(local) : "l"(p));
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#endif
+  return v;
+}
+
+// Slot p of a batch (P steps of SPB slots): its keys' and values' 16 bytes for dims 8j..8j+7, or zeros where
+// the slot is outside [lo, hi) (a predicated-off load moves no memory).
+template <int TPS, int P, int SPB>
+__device__ __forceinline__ void load_batch(uint4* kb, uint4* vb, const uint4* kc, const uint4* vc, int step,
+                                           int steps, int first, int lo, int hi) {
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int p = 0; p < P; ++p) {
+    const int s = first + (step + p) * SPB;
+    const bool ok = step + p < steps && s >= lo && s < hi;
+    kb[p] = ok ? __ldcg(kc + (size_t)s * TPS) : zero;
+    vb[p] = ok ? __ldcg(vc + (size_t)s * TPS) : zero;
+  }
+}
+
+// Rope of 8 dims d0.. (x) with their partners (xp) in the activation dtype, as the reference rounds.
+template <bool BF16>
+__device__ __forceinline__ void rope8(uint4 xw, uint4 pw, const float* c, const float* s, bool rotates,
+                                      bool first_half, float* y) {
+  float x[8], xp[8];
+  unpack8<BF16>(xw, x);
+  unpack8<BF16>(pw, xp);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    if (rotates) {
+      const float sr = first_half ? -round_to<BF16>(s[i]) : round_to<BF16>(s[i]);
+      const float a = round_to<BF16>(x[i] * round_to<BF16>(c[i]));
+      const float r = round_to<BF16>(xp[i] * sr);
+      y[i] = round_to<BF16>(a + r);
+    } else {
+      y[i] = x[i];
+    }
+  }
+}
+
+// Fold another (max, sum, acc) state in: m in base-2 logits; -inf max means nothing seen.
+template <int G>
+__device__ __forceinline__ void merge_state(float* m, float* l, float (*acc)[8], const float* m2, const float* l2,
+                                            const float (*acc2)[8]) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const float mx = fmaxf(m[g], m2[g]);
+    const float ref = mx == NEG_INF ? 0.0f : mx;
+    const float a = exp2f(m[g] - ref), b = exp2f(m2[g] - ref);
+    l[g] = l[g] * a + l2[g] * b;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[g][i] = acc[g][i] * a + acc2[g][i] * b;
+    m[g] = mx;
+  }
+}
+
+// Block (row b, kv head h, split) of a cluster of CL: slots [split * chunk, (split + 1) * chunk) of its kv head.
+// q, kn, vn: this step's rows (strides given, unit within a row); cos, sin (B, rot) float32; caches (B, KV, S, D);
+// positions (B,) int64; out (B, KV * G, D). k_next, v_next: the next layer's caches, prefetched into L2 when
+// `prefetch` (read by nothing here).
+template <bool BF16, int D, int G, int WARPS, int P, int CL>
+__global__ void __launch_bounds__(WARPS * 32)
+    decode_attention(const u16* __restrict__ q, const u16* __restrict__ kn, const u16* __restrict__ vn,
+                     const float* __restrict__ cos, const float* __restrict__ sin, u16* k_cache, u16* v_cache,
+                     const long long* __restrict__ positions, u16* __restrict__ out, const u16* k_next,
+                     const u16* v_next, int stride_q, int stride_kn, int stride_vn, int stride_cos, int S, int KV,
+                     int window, int rot, int chunk, int prefetch, float scale_log2) {
+  pdl_launch_dependents();
+  constexpr int TPS = D / 8;  // threads a slot
+  constexpr int SPW = 32 / TPS;  // slots a warp a step
+  constexpr int SPB = WARPS * SPW;  // slots a block a step
+  constexpr int T = WARPS * 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int sub = lane / TPS, j = lane % TPS, d0 = 8 * j;
+  const int bh = blockIdx.x / CL, split = blockIdx.x % CL;  // split is the block's rank in its cluster
+  const int b = bh / KV, h = bh % KV;
+  const int pos = (int)positions[b];
+  const int start = split * chunk;
+  const int lo = window > 0 ? max(start, pos - window + 1) : start;
+  const int hi = min(start + chunk, pos);  // the row's own slot is attended from registers
+  const int steps = hi > start ? (hi - start + SPB - 1) / SPB : 0;
+  const int step0 = lo > start ? (lo - start) / SPB : 0;
+  const int first = start + warp * SPW + sub;  // this thread's slot in step 0
+  const size_t head = (size_t)bh * S * D;
+  const uint4* kc = reinterpret_cast<const uint4*>(k_cache + head) + j;
+  const uint4* vc = reinterpret_cast<const uint4*>(v_cache + head) + j;
+  if (prefetch && threadIdx.x == 0 && hi > lo) {
+    prefetch_l2(k_next + head + (size_t)lo * D, (u32)((hi - lo) * D * 2));
+    prefetch_l2(v_next + head + (size_t)lo * D, (u32)((hi - lo) * D * 2));
+  }
+
+  uint4 kb[P], vb[P];
+  load_batch<TPS, P, SPB>(kb, vb, kc, vc, step0, steps, first, lo, hi);
+  const bool rotates = d0 < rot, first_half = d0 < rot / 2;
+  const int pd = !rotates ? d0 : first_half ? d0 + rot / 2 : d0 - rot / 2;
+  float c[8], s[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    c[i] = rotates ? cos[(size_t)b * stride_cos + d0 + i] : 1.0f;
+    s[i] = rotates ? sin[(size_t)b * stride_cos + d0 + i] : 0.0f;
+  }
+  pdl_wait();
+
+  // This step's query rows (roped, then scaled into base-2 logits), key (roped, as stored) and value.
+  float qf[G][8], kf_new[8];
+  uint4 xw[G], pw[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const u16* row = q + (size_t)b * stride_q + (size_t)(h * G + g) * D;
+    xw[g] = __ldcg(reinterpret_cast<const uint4*>(row + d0));
+    pw[g] = __ldcg(reinterpret_cast<const uint4*>(row + pd));
+  }
+  const u16* krow = kn + (size_t)b * stride_kn + (size_t)h * D;
+  const uint4 kx = __ldcg(reinterpret_cast<const uint4*>(krow + d0));
+  const uint4 kp = __ldcg(reinterpret_cast<const uint4*>(krow + pd));
+  const uint4 v_new = __ldcg(reinterpret_cast<const uint4*>(vn + (size_t)b * stride_vn + (size_t)h * D + d0));
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    rope8<BF16>(xw[g], pw[g], c, s, rotates, first_half, qf[g]);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) qf[g][i] *= scale_log2;
+  }
+  rope8<BF16>(kx, kp, c, s, rotates, first_half, kf_new);
+
+  float m[G], l[G], acc[G][8];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = NEG_INF;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[g][i] = 0.0f;
+  }
+  for (int step = step0; step < steps; step += P) {
+    uint4 nk[P], nv[P];
+    load_batch<TPS, P, SPB>(nk, nv, kc, vc, step + P, steps, first, lo, hi);
+    float sc[P][G];
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      float kf[8];
+      unpack8<BF16>(kb[p], kf);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float t = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) t = fmaf(qf[g][i], kf[i], t);
+        sc[p][g] = t;
+      }
+    }
+#pragma unroll
+    for (int o = TPS / 2; o > 0; o >>= 1)
+#pragma unroll
+      for (int p = 0; p < P; ++p)
+#pragma unroll
+        for (int g = 0; g < G; ++g) sc[p][g] += __shfl_xor_sync(0xFFFFFFFFu, sc[p][g], o);
+    float ref[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float mx = m[g];
+#pragma unroll
+      for (int p = 0; p < P; ++p) {
+        const int slot = first + (step + p) * SPB;
+        const bool ok = step + p < steps && slot >= lo && slot < hi;
+        sc[p][g] = ok ? sc[p][g] : NEG_INF;
+        mx = fmaxf(mx, sc[p][g]);
+      }
+      ref[g] = mx == NEG_INF ? 0.0f : mx;
+      const float alpha = exp2f(m[g] - ref[g]);
+      l[g] *= alpha;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[g][i] *= alpha;
+      m[g] = mx;
+    }
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      float vf[8];
+      unpack8<BF16>(vb[p], vf);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float e = exp2f(sc[p][g] - ref[g]);
+        l[g] += e;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(e, vf[i], acc[g][i]);
+      }
+    }
+#pragma unroll
+    for (int p = 0; p < P; ++p) {
+      kb[p] = nk[p];
+      vb[p] = nv[p];
+    }
+  }
+
+  // The row's own key and value, in the block whose chunk holds the position: stored, and attended by the
+  // first slot group of warp 0.
+  const bool owner = pos / chunk == split;
+  if (warp == 0) {
+    float t[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      t[g] = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) t[g] = fmaf(qf[g][i], kf_new[i], t[g]);
+#pragma unroll
+      for (int o = TPS / 2; o > 0; o >>= 1) t[g] += __shfl_xor_sync(0xFFFFFFFFu, t[g], o);
+    }
+    if (owner && sub == 0) {
+      float vf[8];
+      unpack8<BF16>(v_new, vf);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float mx = fmaxf(m[g], t[g]);
+        const float alpha = exp2f(m[g] - mx), e = exp2f(t[g] - mx);
+        l[g] = l[g] * alpha + e;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(e, vf[i], acc[g][i] * alpha);
+        m[g] = mx;
+      }
+      const size_t slot = head + (size_t)pos * D + d0;
+      *reinterpret_cast<uint4*>(k_cache + slot) = pack8<BF16>(kf_new);
+      *reinterpret_cast<uint4*>(v_cache + slot) = v_new;
+    }
+  }
+
+  // The warp's slot groups, then the block's warps, then the cluster's blocks.
+#pragma unroll
+  for (int o = TPS; o < 32; o <<= 1) {
+    float m2[G], l2[G], acc2[G][8];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      m2[g] = __shfl_xor_sync(0xFFFFFFFFu, m[g], o);
+      l2[g] = __shfl_xor_sync(0xFFFFFFFFu, l[g], o);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc2[g][i] = __shfl_xor_sync(0xFFFFFFFFu, acc[g][i], o);
+    }
+    merge_state<G>(m, l, acc, m2, l2, acc2);
+  }
+  __shared__ float4 warp_acc[WARPS][G][D / 4];
+  __shared__ float warp_m[WARPS][G], warp_l[WARPS][G];
+  __shared__ float block_acc[G * D];
+  __shared__ float block_m[G], block_l[G];
+  if (sub == 0) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      warp_acc[warp][g][2 * j] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+      warp_acc[warp][g][2 * j + 1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+      if (j == 0) {
+        warp_m[warp][g] = m[g];
+        warp_l[warp][g] = l[g];
+      }
+    }
+  }
+  __syncthreads();
+  const float* wacc = reinterpret_cast<const float*>(warp_acc);
+  for (int e = threadIdx.x; e < G * D; e += T) {
+    const int g = e / D;
+    float mx = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) mx = fmaxf(mx, warp_m[w][g]);
+    const float ref = mx == NEG_INF ? 0.0f : mx;
+    float sum = 0.0f, a = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float f = exp2f(warp_m[w][g] - ref);
+      sum = fmaf(warp_l[w][g], f, sum);
+      a = fmaf(wacc[w * G * D + e], f, a);
+    }
+    block_acc[e] = a;
+    if (e % D == 0) {
+      block_m[g] = mx;
+      block_l[g] = sum;
+    }
+  }
+  if (CL == 1)
+    __syncthreads();
+  else
+    cluster_sync();
+
+  // This block's share of the outputs, from every block of the cluster (the owner's state is finite).
+  constexpr int PER = (G * D + CL - 1) / CL;
+  const int e_end = min((split + 1) * PER, G * D);
+  for (int e = split * PER + threadIdx.x; e < e_end; e += T) {
+    const int g = e / D;
+    float rm[CL], rl[CL], ra[CL];
+#pragma unroll
+    for (int r = 0; r < CL; ++r) {
+      if (CL == 1) {
+        rm[r] = block_m[g];
+        rl[r] = block_l[g];
+        ra[r] = block_acc[e];
+      } else {
+        rm[r] = load_remote(&block_m[g], r);
+        rl[r] = load_remote(&block_l[g], r);
+        ra[r] = load_remote(&block_acc[e], r);
+      }
+    }
+    float mx = rm[0];
+#pragma unroll
+    for (int r = 1; r < CL; ++r) mx = fmaxf(mx, rm[r]);
+    float sum = 0.0f, a = 0.0f;
+#pragma unroll
+    for (int r = 0; r < CL; ++r) {
+      const float f = exp2f(rm[r] - mx);
+      sum = fmaf(rl[r], f, sum);
+      a = fmaf(ra[r], f, a);
+    }
+    out[((size_t)bh * G + g) * D + e % D] = from_f32<BF16>(a / sum);
+  }
+  if (CL > 1) cluster_sync();  // no block leaves while another may still read its shared memory
+}
