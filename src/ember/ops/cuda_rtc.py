@@ -1,10 +1,11 @@
 """CUDA C++ kernels compiled at run time with NVRTC and launched through the driver API.
 
 Some decode kernels need control that Triton does not give (which loads are in flight while which registers
-are multiplied). Those are written in CUDA C++ (`ember/quant/csrc/*.cu`, no CUDA headers needed) and built on
-first use for the GPU in hand by NVRTC, the run-time compiler that CUDA builds of torch ship with
-(nvidia-cuda-nvrtc): no toolkit, no nvcc, no C++ compiler on the user's machine. A build takes about a
-second; the cubin is cached per source, device and NVRTC version in `$EMBER_CACHE_DIR/kernels/`.
+are multiplied). Those are written in CUDA C++ (`ember/*/csrc/*.cu`, no CUDA headers needed; what they share
+is in `ember/ops/csrc/ember_cuda.cuh`) and built on first use for the GPU in hand by NVRTC, the run-time
+compiler that CUDA builds of torch ship with (nvidia-cuda-nvrtc): no toolkit, no nvcc, no C++ compiler on the
+user's machine. A build takes about a second; the cubin is cached per source, device and NVRTC version in
+`$EMBER_CACHE_DIR/kernels/`.
 
     kernels = load(source_path, ["int8_gemv<true, 4, 1, 4, false>"], device)
     launch(kernels["int8_gemv<true, 4, 1, 4, false>"], grid, block, (x, w, s, y, N, K, M), device, pdl=True)
@@ -116,12 +117,28 @@ def _nvrtc_version() -> str:
     return f"{major.value}.{minor.value}"
 
 
-def compile_cubin(source: str, names: list[str], arch: str, filename: str) -> tuple[bytes, dict[str, str]]:
-    """NVRTC: CUDA C++ source -> (cubin for sm_`arch`, {name expression: lowered symbol})."""
+HEADERS = {"ember_cuda.cuh": Path(__file__).with_name("csrc") / "ember_cuda.cuh"}
+
+
+def headers() -> dict[str, str]:
+    """What a kernel source may `#include`: {name: text} (`csrc/ember_cuda.cuh`, shared by Ember's kernels)."""
+    return {name: path.read_text() for name, path in HEADERS.items()}
+
+
+def compile_cubin(
+    source: str, names: list[str], arch: str, filename: str, includes: dict[str, str] | None = None
+) -> tuple[bytes, dict[str, str]]:
+    """NVRTC: CUDA C++ source -> (cubin for sm_`arch`, {name expression: lowered symbol}). includes: the
+    headers the source may `#include "name"`, {name: text}."""
     lib = _nvrtc()
     prog = ctypes.c_void_p()
+    includes = includes or {}
+    texts = (ctypes.c_char_p * len(includes))(*[t.encode() for t in includes.values()])
+    include_names = (ctypes.c_char_p * len(includes))(*[n.encode() for n in includes])
     _nvrtc_check(
-        lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), filename.encode(), 0, None, None),
+        lib.nvrtcCreateProgram(
+            ctypes.byref(prog), source.encode(), filename.encode(), len(includes), texts, include_names
+        ),
         "create",
     )
     try:
@@ -189,16 +206,17 @@ def load(path: Path, names: list[str], device: torch.device) -> dict[str, ctypes
     with _LOCK:
         if key in _MODULES:
             return _MODULES[key]
-        source = path.read_text()
+        source, includes = path.read_text(), headers()
         arch = _arch(device)
-        digest = hashlib.sha256("\0".join([source, *names, arch, _nvrtc_version()]).encode()).hexdigest()[:16]
+        parts = [source, *includes.values(), *names, arch, _nvrtc_version()]
+        digest = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
         cache = cache_root() / "kernels" / f"{path.stem}-sm{arch}-{digest}"
         cubin_file, names_file = cache.with_suffix(".cubin"), cache.with_suffix(".names")
         if cubin_file.exists() and names_file.exists():
             cubin = cubin_file.read_bytes()
             lowered = dict(line.split("\t") for line in names_file.read_text().splitlines())
         else:
-            cubin, lowered = compile_cubin(source, names, arch, path.name)
+            cubin, lowered = compile_cubin(source, names, arch, path.name, includes)
             cache.parent.mkdir(parents=True, exist_ok=True)
             tmp = cache.with_suffix(f".tmp{os.getpid()}")
             tmp.write_text("".join(f"{n}\t{lowered[n]}\n" for n in names))

@@ -16,33 +16,9 @@
 // Rounding follows the reference: rope in the activation dtype (each product and the sum rounded), scores,
 // softmax and the output in float32, the output rounded once.
 
-typedef unsigned short u16;
-typedef unsigned int u32;
+#include "ember_cuda.cuh"
+
 #define NEG_INF __int_as_float(0xff800000u)  // -inf: no slot seen yet
-
-template <bool BF16>
-__device__ __forceinline__ float to_f32(u32 half) {
-  if (BF16) return __uint_as_float(half << 16);
-  float f;
-  unsigned short h = (unsigned short)half;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-
-template <bool BF16>
-__device__ __forceinline__ u16 from_f32(float f) {
-  u16 r;
-  if (BF16)
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-  else
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
-  return r;
-}
-
-template <bool BF16>
-__device__ __forceinline__ float round_to(float f) {
-  return to_f32<BF16>(from_f32<BF16>(f));
-}
 
 // The 8 16-bit values of a 16-byte word as floats, and back.
 template <bool BF16>
@@ -61,18 +37,6 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) words[i] = (u32)from_f32<BF16>(f[2 * i]) | ((u32)from_f32<BF16>(f[2 * i + 1]) << 16);
   return make_uint4(words[0], words[1], words[2], words[3]);
-}
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-
-__device__ __forceinline__ void pdl_wait() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
 }
 
 // Ask L2 for [p, p + bytes) (16-byte multiples); nothing waits for it.

@@ -19,32 +19,7 @@
 // (A persistent grid of a few blocks a multiprocessor, each walking row blocks with the next one's weights in
 // flight across its reduction, was slower on an H200: BENCHMARKS.md, twenty-first session.)
 
-typedef unsigned short u16;
-typedef unsigned int u32;
-
-template <bool BF16>
-__device__ __forceinline__ float to_f32(u32 half) {
-  if (BF16) return __uint_as_float(half << 16);
-  float f;
-  unsigned short h = (unsigned short)half;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
-  return f;
-}
-
-template <bool BF16>
-__device__ __forceinline__ u16 from_f32(float f) {
-  u16 r;
-  if (BF16)
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
-  else
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
-  return r;
-}
-
-template <bool BF16>
-__device__ __forceinline__ float round_to(float f) {
-  return to_f32<BF16>(from_f32<BF16>(f));
-}
+#include "ember_cuda.cuh"
 
 // Two 16-bit activations of one word as floats (low word first).
 template <bool BF16>
@@ -145,18 +120,6 @@ __device__ __forceinline__ void finish(Sums<GLU ? 2 * R : R>& s, float* red, con
       y[(size_t)m * N + n] = from_f32<BF16>(out);
     }
   }
-}
-
-__device__ __forceinline__ void pdl_launch_dependents() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;");
-#endif
-}
-
-__device__ __forceinline__ void pdl_wait() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
 }
 
 // Block b serves activation row b % M and rows (b / M) * R onwards; a thread keeps U
