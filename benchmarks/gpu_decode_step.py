@@ -205,11 +205,9 @@ VARIANTS = [
 ]
 
 
-def time_attention_at(S: int, layers: int = 32) -> None:
-    """us per layer of each variant, in a CUDA graph where each attention follows its layer's qkv GEMV (as
-    in the step; the GEMV alone is timed and subtracted), and SDPA (attention only) alone."""
-    from ember.ops import triton_attention
-    from ember.ops.attention import causal_mask, sdpa_attention
+def attention_layers(S: int, layers: int):
+    """`layers` Llama-3-8B attention layers at S cache slots, bf16, on the GPU: (caches, qkv_of(i): layer i's
+    q, k, v from its qkv GEMV, cos, sin, seconds of that GEMV alone in a CUDA graph)."""
     from ember.quant import triton_kernels as tk
 
     H, K, D = 32, 8, 128
@@ -218,17 +216,28 @@ def time_attention_at(S: int, layers: int = 32) -> None:
               for _ in range(layers)]  # fmt: skip
     hidden = torch.randn(1, 4096, device="cuda", dtype=bf)
     w_qkv = [torch.randn((H + 2 * K) * D, 4096, device="cuda", dtype=bf) * 0.02 for _ in range(layers)]
-    qkv = torch.randn(1, (H + 2 * K) * D, device="cuda", dtype=bf)
     cos, sin = torch.rand(1, D, device="cuda"), torch.rand(1, D, device="cuda")
 
-    def split(t):
-        return (u.view(1, -1, D) for u in t.split([H * D, K * D, K * D], dim=-1))
+    def qkv_of(i):
+        qkv = tk.float_gemv(hidden, w_qkv[i % layers])
+        return (u.view(1, -1, D) for u in qkv.split([H * D, K * D, K * D], dim=-1))
 
     gemv = timed_graph(lambda i: tk.float_gemv(hidden, w_qkv[i % layers]), layers)
+    return caches, qkv_of, cos, sin, gemv
+
+
+def time_attention_at(S: int, layers: int = 32) -> None:
+    """us per layer of each variant, in a CUDA graph where each attention follows its layer's qkv GEMV (as
+    in the step; the GEMV alone is timed and subtracted), and SDPA (attention only) alone."""
+    from ember.ops import triton_attention
+    from ember.ops.attention import causal_mask, sdpa_attention
+
+    caches, qkv_of, cos, sin, gemv = attention_layers(S, layers)
+    D = 128
     for p in (S // 4, S - 1):
         pos = torch.tensor([p], device="cuda")
         mask = causal_mask(pos[:, None], torch.arange(S, device="cuda")[None], None)
-        q = next(split(qkv))
+        q = torch.randn(1, 32, D, device="cuda", dtype=torch.bfloat16)
         row = [
             timed_graph(
                 lambda i, m=mask, q=q: sdpa_attention(q[:, :, None], *caches[i % layers], m, scale=D**-0.5),
@@ -238,7 +247,7 @@ def time_attention_at(S: int, layers: int = 32) -> None:
         for sp, bs, w, early in VARIANTS:
 
             def call(i, sp=sp, bs=bs, w=w, early=early, ps=pos):
-                qn, kn, vn = split(tk.float_gemv(hidden, w_qkv[i % layers]))
+                qn, kn, vn = qkv_of(i)
                 return triton_attention.decode_attention(
                     qn,
                     kn,
@@ -279,33 +288,23 @@ def time_cuda_attention_at(S: int, layers: int = 32) -> None:
     """us per Llama-3-8B layer at S slots: the Triton kernel at its default tiles against the CUDA C++ kernel's
     variants, each after its layer's qkv GEMV in a CUDA graph (the GEMV alone subtracted)."""
     from ember.ops import cuda_attention, triton_attention
-    from ember.quant import triton_kernels as tk
 
-    H, K, D = 32, 8, 128
-    bf = torch.bfloat16
-    caches = [(torch.randn(1, K, S, D, device="cuda", dtype=bf), torch.randn(1, K, S, D, device="cuda", dtype=bf))
-              for _ in range(layers)]  # fmt: skip
-    hidden = torch.randn(1, 4096, device="cuda", dtype=bf)
-    w_qkv = [torch.randn((H + 2 * K) * D, 4096, device="cuda", dtype=bf) * 0.02 for _ in range(layers)]
-    cos, sin = torch.rand(1, D, device="cuda"), torch.rand(1, D, device="cuda")
-
-    def split(t):
-        return (u.view(1, -1, D) for u in t.split([H * D, K * D, K * D], dim=-1))
+    caches, qkv_of, cos, sin, gemv = attention_layers(S, layers)
+    D = 128
 
     def triton_call(i, pos):
-        qn, kn, vn = split(tk.float_gemv(hidden, w_qkv[i % layers]))
+        qn, kn, vn = qkv_of(i)
         return triton_attention.decode_attention(
             qn, kn, vn, cos, sin, *caches[i % layers], pos, D**-0.5, 0, *caches[(i + 1) % layers]
         )
 
     def cuda_call(i, pos, config, prefetch):
-        qn, kn, vn = split(tk.float_gemv(hidden, w_qkv[i % layers]))
+        qn, kn, vn = qkv_of(i)
         return cuda_attention.decode_attention(
             qn, kn, vn, cos, sin, *caches[i % layers], pos, D**-0.5, 0, *caches[(i + 1) % layers],
             config=config, prefetch=prefetch,
         )  # fmt: skip
 
-    gemv = timed_graph(lambda i: tk.float_gemv(hidden, w_qkv[i % layers]), layers)
     for p in (S // 4, S // 2, S - 1):
         pos = torch.tensor([p], device="cuda")
         row = [timed_graph(lambda i, ps=pos: triton_call(i, ps), layers) - gemv]
