@@ -105,7 +105,7 @@ def check(q, k, v, cos, sin, k_cache, v_cache, pos, window, config=None, prefetc
 )
 def test_against_the_reference(dtype, H, K, D, rotary):
     S = 384
-    config = cuda_attention.default_config(S, D)
+    config = cuda_attention.default_config(S, D, H // K)
     chunk = cuda_attention.chunk_of(S, D, config)
     pos = [0, chunk - 1, chunk, S - 1]  # first slot, the edges of a chunk, the last slot
     for window in (0, 100):

@@ -25,17 +25,18 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cu"
 HEAD_DIMS = (64, 128, 256)  # D / 8 threads hold a slot: a power of two up to a warp
 MAX_GROUP = 8  # query heads a kv head (registers: 8 floats of each head's query and output a thread)
-MAX_SLOTS = (
-    0  # caches up to this many slots run this kernel in `ember::decode_attention` (off: not yet measured)
-)
+# Caches up to this many slots run this kernel in `ember::decode_attention` (0, off: not yet measured).
+MAX_SLOTS = 0
 SHARED_BYTES = 48 * 1024  # static shared memory a block may take
 _DTYPES = {torch.bfloat16: "true", torch.float16: "false"}
 _FAILED: set[int] = set()  # devices where the build failed (logged once)
 
 
-def default_config(S: int, D: int) -> tuple[int, int, int]:
-    """(warps a block, steps of slots each thread keeps loading, blocks a cluster) for S slots of head dim D."""
-    return 4, 8, 8
+def default_config(S: int, D: int, G: int) -> tuple[int, int, int]:
+    """(warps a block, steps of slots each thread keeps loading, blocks a cluster) for S slots of head dim D
+    and G query heads a kv head. A thread holds 16 floats a query head besides 2 x steps 16-byte loads: past
+    G = 4, 8 steps spill registers to the stack (ptxas, sm_90), 4 do not."""
+    return 4, 8 if G <= 4 else 4, 8
 
 
 def chunk_of(S: int, D: int, config: tuple[int, int, int]) -> int:
@@ -60,7 +61,7 @@ def fits(q, k, v, cos, sin, k_cache, v_cache, positions, config: tuple[int, int,
     KV, S = k_cache.shape[1], k_cache.shape[2]
     G = H // KV
     rot = cos.shape[-1]
-    config = config or default_config(S, D)
+    config = config or default_config(S, D, G)
     rows = (q, k, v)
     return (
         q.is_cuda
@@ -127,7 +128,7 @@ def decode_attention(
     B, H, D = q.shape
     KV, S = k_cache.shape[1], k_cache.shape[2]
     G = H // KV
-    config = config or default_config(S, D)
+    config = config or default_config(S, D, G)
     fn = _kernel(q.dtype, D, G, config, q.device)
     if fn is None:
         return None
