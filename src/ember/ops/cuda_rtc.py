@@ -117,12 +117,12 @@ def _nvrtc_version() -> str:
     return f"{major.value}.{minor.value}"
 
 
-HEADERS = {"ember_cuda.cuh": Path(__file__).with_name("csrc") / "ember_cuda.cuh"}
+HEADERS = (Path(__file__).with_name("csrc") / "ember_cuda.cuh",)  # what Ember's kernel sources share
 
 
 def headers() -> dict[str, str]:
-    """What a kernel source may `#include`: {name: text} (`csrc/ember_cuda.cuh`, shared by Ember's kernels)."""
-    return {name: path.read_text() for name, path in HEADERS.items()}
+    """What a kernel source may `#include "name"`: {name: text}."""
+    return {path.name: path.read_text() for path in HEADERS}
 
 
 def compile_cubin(
