@@ -13,6 +13,7 @@ them), cycling through enough weight copies to defeat the 50 MB L2, median of se
     python benchmarks/gpu_gemv.py --kinds int4mma int4t --shapes qkv o gate_up down   # int4 on tensor cores
     python benchmarks/gpu_gemv.py --kinds int8 int8cu --shapes qkv o down lm_head   # int8: Triton vs CUDA C++
     python benchmarks/gpu_gemv.py --kinds int8glu int8cuglu --shapes gate_up
+    python benchmarks/gpu_gemv.py --kinds int4mma int4cu --shapes qkv o gate_up down   # int4: Triton vs CUDA C++
 """
 
 from __future__ import annotations
@@ -136,17 +137,36 @@ def kernel_calls(kind: str, x: torch.Tensor, ws, config: dict | None):
         blocks = {k: v for k, v in config.items() if k != "SPLIT"}
         split = config.get("SPLIT")
         return lambda i: triton_mma.int4_mma_gemv(x, *ws[i % len(ws)], GROUP, split, blocks=blocks)
+    if kind == "int4cu":  # Ember's CUDA C++ int4 GEMV (`ember.quant.cuda_int4`): a block shape and a split
+        from ember.quant import cuda_int4
+
+        N, split = ws[0][0].shape[0], config["SPLIT"]
+        shape = (split, x.shape[0], N) if split > 1 else (x.shape[0], N)
+        y = torch.empty(shape, device=x.device, dtype=torch.float32 if split > 1 else x.dtype)
+        block = tuple(config["CUDA"])
+        return lambda i: cuda_int4.gemv(x, *ws[i % len(ws)], y, GROUP, block, split, pdl=False)
     if kind == "tinygemm":
         return lambda i: torch.ops.aten._weight_int4pack_mm(x, ws[i % len(ws)][0], GROUP, ws[i % len(ws)][1])
     raise ValueError(kind)
 
 
-def configs_for(kind: str, K: int) -> list[dict]:
+def configs_for(kind: str, N: int, K: int) -> list[dict]:
     if kind in ("int8cu", "int8cuglu"):
         from ember.quant import cuda_gemv
 
         return [
             {"CUDA": list(c)} for c in (cuda_gemv.GLU_CONFIGS if kind == "int8cuglu" else cuda_gemv.CONFIGS)
+        ]
+    if kind == "int4cu":  # block shapes x runs of K's groups: the whole row and the Triton kernel's split
+        from ember.quant import cuda_int4, triton_mma
+
+        groups = K // GROUP
+        auto = triton_mma.splits(N, K, GROUP, triton_mma.multiprocessors(torch.device("cuda")))
+        return [
+            {"CUDA": list(c), "SPLIT": d}
+            for d in sorted({1, 2, 4, auto})
+            if groups % d == 0
+            for c in cuda_int4.configs(groups, d)
         ]
     if kind == "int4mma":  # warps per program x runs of K's groups (float32 partials, unsummed)
         groups = K // GROUP
@@ -213,7 +233,7 @@ def main() -> None:
                 print(f"deadline reached; skipping {kind} {shape}", flush=True)
                 continue
             N, K = SHAPES[shape]
-            configs = [None] if kind in ("tinygemm",) else configs_for(kind, K)
+            configs = [None] if kind in ("tinygemm",) else configs_for(kind, N, K)
             if kind in ("bf16", "bf16glu", "int8glu"):
                 configs = [None] + configs  # None = cuBLAS (bf16), or the tiles the GLU op tunes itself
             try:

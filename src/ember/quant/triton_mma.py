@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ember.ops.launch import launch_options
-from ember.quant import tuning
+from ember.quant import cuda_int4, tuning
 from ember.quant.triton_kernels import _factors, sum_splits
 
 MAX_ROWS = 8  # activation rows one launch serves: the mma's 8 columns
@@ -232,8 +232,8 @@ def int4_mma_gemv(
 ) -> torch.Tensor:
     """x (M, K) bf16 contiguous, M <= MAX_ROWS; words int32 (N, K/8) (`kernels.int4_mma_tile`), sz int32
     (N, K/g) (`kernels.int4_mma_scales`) -> y (M, N) in x's dtype; or, with `split`, float32 partial sums
-    (split, M, N) over equal runs of K's groups. `blocks` fixes the warps per program (else timed,
-    `ember.quant.tuning`)."""
+    (split, M, N) over equal runs of K's groups. `blocks` fixes the warps per program, or {"CUDA": config}
+    the CUDA C++ kernel's block shape (else timed, `ember.quant.tuning`)."""
     (M, K), N = x.shape, words.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"the int4 mma GEMV serves up to {MAX_ROWS} rows, not {M}")
@@ -249,8 +249,14 @@ def int4_mma_gemv(
         else torch.empty(split, M, N, device=x.device, dtype=torch.float32)
     )
     opts = launch_options(x.device)
+    cuda = cuda_int4.OFFERED and cuda_int4.fits(x, words, sz, group_size)
 
     def run(b: dict, w: tuple[torch.Tensor, ...]) -> None:
+        if "CUDA" in b:
+            if cuda:
+                cuda_int4.gemv(x, w[0], w[1], out, group_size, b["CUDA"], split or 1, opts["PDL"])
+                return
+            b = WARPS[0]
         grid = (triton.cdiv(N // 16, b["WARPS"]), split or 1)
         _int4_mma_kernel[grid](
             x,
@@ -268,7 +274,10 @@ def int4_mma_gemv(
         )
 
     if blocks is None:
-        blocks = tuning.pick(("int4_mma", M, N, K, group_size, split), WARPS, run, (words, sz))
+        candidates = list(WARPS)
+        if cuda:  # Ember's CUDA C++ kernel of the same layout and outputs (`ember.quant.cuda_int4`)
+            candidates += [{"CUDA": c} for c in cuda_int4.configs(K // group_size, split or 1)]
+        blocks = tuning.pick(("int4_mma", M, N, K, group_size, split), candidates, run, (words, sz))
     run(blocks, (words, sz))
     return out
 

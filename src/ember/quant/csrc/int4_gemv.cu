@@ -1,0 +1,154 @@
+// Ember's int4 decode GEMV on tensor cores in CUDA C++, compiled at run time by NVRTC (ember.ops.cuda_rtc).
+//
+// The weights are in the fragment layout of the Triton tensor-core GEMV (ember.quant.triton_mma, whose
+// docstring derives it; kernels.int4_mma_tile builds it): rows in tiles of 16, K in steps of 64, and a
+// (tile, step) block is 32 16-byte words, one per lane, holding the A operands of the step's 4
+// mma.m16n8k16. One LOP3 makes an A register, two bf16 128 + q, exactly; a second mma per 16 k multiplies
+// the same activations by ones, so a group's sum is s * sum((128 + q) x) + (min - 128 s) * sum(x), with the
+// group's factors sz = (s, min) as bf16 (kernels.int4_mma_scales). B column n is activation row n (up to 8).
+//
+// y (M, N) bf16 = x (M, K) bf16 @ w.T, or with SPLIT float32 partial sums (gridDim.y, M, N) over equal runs
+// of K's groups (for a consumer that adds them as it reads them: ember.quant.kernels.SplitSum).
+//
+// What the Triton kernel could not be made to do: a warp keeps DEPTH groups of weights in flight (and the
+// next group's activations) while it multiplies one; KW warps of a block share a tile, each taking every
+// KW-th group of the run, and add their sums in shared memory, so K is split without float32 partials
+// leaving the kernel; programmatic dependent launch, the first weights loading before griddepcontrol.wait.
+
+#include "ember_cuda.cuh"
+
+constexpr u32 NIBBLES = 0x000F000Fu;  // a register's two nibbles after a shift by 0, 4, 8 or 12
+constexpr u32 BIAS = 0x43004300u;     // under 128's exponent: the bf16 pair 128 + q
+constexpr u32 ONES = 0x3F803F80u;     // the bf16 pair (1, 1)
+
+__device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The two nibbles of v under NIBBLES as the bf16 pair 128 + q: one LOP3 ((v & NIBBLES) | BIAS; written as two
+// C operations the compiler emits two, an instruction taking one immediate).
+__device__ __forceinline__ u32 operand(u32 v) {
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(v), "n"(NIBBLES), "n"(BIAS));
+  return r;
+}
+
+// One step of 64 k: C += (128 + q) x and X += x over the step's 4 mma. x: the lane's 16 activations, pairs
+// 2m and 2m + 1 being mma m's B operands.
+__device__ __forceinline__ void step(uint4 w, const uint4 (&x)[2], float (&C)[4], float (&X)[4]) {
+  const u32 words[4] = {w.x, w.y, w.z, w.w};
+  const u32 xs[8] = {x[0].x, x[0].y, x[0].z, x[0].w, x[1].x, x[1].y, x[1].z, x[1].w};
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    const u32 v = words[m];
+    mma(C, operand(v), operand(v >> 4), operand(v >> 8), operand(v >> 12), xs[2 * m], xs[2 * m + 1]);
+    mma(X, ONES, ONES, ONES, ONES, xs[2 * m], xs[2 * m + 1]);
+  }
+}
+
+// Grid (cdiv(N / 16, TW), S); a block is TW x KW warps. Warp w serves tile blockIdx.x * TW + w % TW and, of
+// the run of groups blockIdx.y owns, every KW-th from w / TW. A group is GS steps (64 GS weights of a row).
+// Accumulator c of lane (g, q): row 16 tile + g + 8 (c / 2), activation row 2q + c % 2.
+template <int GS, int TW, int KW, int DEPTH, bool SPLIT>
+__global__ void __launch_bounds__(TW * KW * 32) int4_mma_gemv(const u16* __restrict__ x,
+                                                              const uint4* __restrict__ w,
+                                                              const u32* __restrict__ sz, void* __restrict__ y,
+                                                              int N, int K, int M) {
+  pdl_launch_dependents();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, q = lane & 3;
+  const int T = N >> 4, steps = K >> 6, G = steps / GS;
+  const int own = blockIdx.x * TW + warp % TW;
+  const int tile = min(own, T - 1);  // warps past the last tile redo it and store nothing
+  const int kr = warp / TW;
+  const int run = G / gridDim.y;
+  const int first = blockIdx.y * run + kr;  // the warp's groups: first + j KW for j < n
+  const int n = (run - kr + KW - 1) / KW;
+  const int top = blockIdx.y * run + run - 1;  // the run's last group: loads past the warp's own read it
+  const uint4* wp = w + (size_t)tile * steps * 32 + lane;
+  const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)min(g, M - 1) * K) + 2 * q;
+  const u32* zp = sz + (size_t)(tile * 16 + g) * G;  // row g; row g + 8 is 8 G further
+
+  uint4 wb[DEPTH][GS];
+  u32 zb[DEPTH][2];
+#pragma unroll
+  for (int d = 0; d < DEPTH; ++d) {
+    const int grp = min(first + d * KW, top);  // past the warp's groups: a group of the run (not used)
+#pragma unroll
+    for (int s = 0; s < GS; ++s) wb[d][s] = __ldcs(wp + (size_t)(grp * GS + s) * 32);
+    zb[d][0] = __ldg(zp + grp);
+    zb[d][1] = __ldg(zp + 8 * G + grp);
+  }
+  pdl_wait();
+  uint4 xc[GS][2];
+#pragma unroll
+  for (int s = 0; s < GS; ++s) {
+    xc[s][0] = __ldg(xp + (min(first, top) * GS + s) * 8);
+    xc[s][1] = __ldg(xp + (min(first, top) * GS + s) * 8 + 1);
+  }
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int j0 = 0; j0 < n; j0 += DEPTH) {
+#pragma unroll
+    for (int d = 0; d < DEPTH; ++d) {
+      const int j = j0 + d;
+      if (j < n) {
+        const int next = first + min(j + 1, n - 1) * KW;  // the next group's activations, in flight now
+        uint4 xn[GS][2];
+#pragma unroll
+        for (int s = 0; s < GS; ++s) {
+          xn[s][0] = __ldg(xp + (next * GS + s) * 8);
+          xn[s][1] = __ldg(xp + (next * GS + s) * 8 + 1);
+        }
+        float C[4] = {0.0f, 0.0f, 0.0f, 0.0f}, X[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int s = 0; s < GS; ++s) step(wb[d][s], xc[s], C, X);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const u32 f = zb[d][c >> 1];
+          const float scale = __uint_as_float(f & 0xFFFF0000u), low = __uint_as_float(f << 16);
+          acc[c] = fmaf(scale, C[c], fmaf(-128.0f, scale, low) * X[c] + acc[c]);
+        }
+        if (j + DEPTH < n) {  // this slot's next group
+          const int grp = first + (j + DEPTH) * KW;
+#pragma unroll
+          for (int s = 0; s < GS; ++s) wb[d][s] = __ldcs(wp + (size_t)(grp * GS + s) * 32);
+          zb[d][0] = __ldg(zp + grp);
+          zb[d][1] = __ldg(zp + 8 * G + grp);
+        }
+#pragma unroll
+        for (int s = 0; s < GS; ++s) {
+          xc[s][0] = xn[s][0];
+          xc[s][1] = xn[s][1];
+        }
+      }
+    }
+  }
+  if (KW > 1) {  // the tile's other warps hand their sums to warp w % TW, which adds them in order
+    __shared__ float red[KW > 1 ? (KW - 1) * TW * 128 : 1];
+    if (kr > 0) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) red[((kr - 1) * TW + warp % TW) * 128 + c * 32 + lane] = acc[c];
+    }
+    __syncthreads();
+    if (kr > 0) return;
+#pragma unroll
+    for (int k = 1; k < KW; ++k) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[c] += red[((k - 1) * TW + warp) * 128 + c * 32 + lane];
+    }
+  }
+  if (own >= T) return;
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int m = 2 * q + (c & 1), row = tile * 16 + g + 8 * (c >> 1);
+    if (m < M) {
+      if (SPLIT)
+        static_cast<float*>(y)[((size_t)blockIdx.y * M + m) * N + row] = acc[c];
+      else
+        static_cast<u16*>(y)[(size_t)m * N + row] = from_f32<true>(acc[c]);
+    }
+  }
+}

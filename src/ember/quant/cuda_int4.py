@@ -1,0 +1,105 @@
+"""The int4 decode GEMV on tensor cores in CUDA C++ (`csrc/int4_gemv.cu`, built by NVRTC: `ember.ops.cuda_rtc`).
+
+Same layout, function and outputs as the Triton tensor-core GEMV (`ember.quant.triton_mma.int4_mma_gemv`:
+`kernels.int4_mma_tile` words, `kernels.int4_mma_scales` factors, bf16 activations, up to 8 rows; y in bf16
+or float32 partial sums over runs of K). A configuration is a block shape (`CONFIGS`); where `OFFERED`, they
+join the Triton kernel's tuner candidates, so each shape runs whichever kernel is faster on the device in hand.
+
+Shape legend: M rows of activations, K input features, N output features, g group size, S runs of K.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from ember.ops import cuda_rtc
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "int4_gemv.cu"
+MAX_ROWS = 8  # activation rows: the mma's 8 columns
+GROUP_STEPS = (1, 2, 3, 4)  # steps of 64 k a group: group sizes 64-256
+# (TW, KW, DEPTH): TW tiles of 16 rows a block, KW warps a tile (each taking every KW-th group of the run),
+# DEPTH groups of weights a warp keeps in flight.
+CONFIGS = [
+    *[(4, 1, 2), (8, 1, 2), (4, 1, 4), (2, 2, 2)],  # for short runs (K split over blocks)
+    *[(2, 4, 2), (1, 4, 2), (1, 4, 4), (1, 8, 2), (1, 8, 4), (2, 8, 2), (1, 16, 2)],  # for long runs
+]
+# Off until the kernel has been checked and timed on a GPU (tests/quant/test_cuda_int4.py,
+# benchmarks/gpu_gemv.py --kinds int4mma int4cu): the Triton kernel runs meanwhile.
+OFFERED = False
+
+_FAILED: set[tuple[int, int]] = set()  # (device, steps a group) whose build failed (logged once)
+
+
+def _name(group_steps: int, config: tuple[int, int, int], split: bool) -> str:
+    tw, kw, depth = config
+    return f"int4_mma_gemv<{group_steps}, {tw}, {kw}, {depth}, {'true' if split else 'false'}>"
+
+
+def fits(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> bool:
+    """Whether the CUDA kernel takes these operands (else the Triton kernel runs)."""
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and x.shape[0] <= MAX_ROWS
+        and group_size % 64 == 0
+        and group_size // 64 in GROUP_STEPS
+        and words.dtype == torch.int32
+        and sz.dtype == torch.int32
+        and x.is_contiguous()
+        and words.is_contiguous()
+        and sz.is_contiguous()
+        and x.data_ptr() % 16 == 0
+        and words.data_ptr() % 16 == 0
+        and torch.cuda.get_device_capability(x.device) >= (8, 0)
+        and cuda_rtc.available()
+    )
+
+
+def configs(groups: int, split: int) -> list[tuple[int, int, int]]:
+    """The configurations worth timing for a row of `groups` groups cut into `split` runs: no warp of a tile
+    without a group of its own."""
+    return [c for c in CONFIGS if c[1] <= groups // split]
+
+
+def kernels(device: torch.device, group_steps: int) -> dict | None:
+    """The built kernels for `device` and groups of `group_steps` steps, or None where they cannot be built
+    (logged once)."""
+    key = (cuda_rtc.device_index(device), group_steps)
+    if key in _FAILED:
+        return None
+    names = [_name(group_steps, c, split) for c in CONFIGS for split in (False, True)]
+    try:
+        return cuda_rtc.load(SOURCE, names, device)
+    except cuda_rtc.CudaError as e:
+        log.warning("Ember's CUDA int4 GEMV could not be built (%s); the Triton kernel runs instead", e)
+        _FAILED.add(key)
+        return None
+
+
+def gemv(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    sz: torch.Tensor,
+    y: torch.Tensor,
+    group_size: int,
+    config: tuple[int, int, int],
+    split: int,
+    pdl: bool,
+) -> None:
+    """y (M, N) bf16 = x (M, K) @ w.T; with split > 1, y (split, M, N) float32 partial sums over equal runs
+    of K's groups. words, sz: `kernels.int4_mma_tile` and `kernels.int4_mma_scales` of w (N, K)."""
+    steps = group_size // 64
+    fns = kernels(x.device, steps)
+    if fns is None:
+        raise cuda_rtc.CudaError("the CUDA int4 GEMV is not built")
+    M, K = x.shape
+    N = words.shape[0]
+    tw, kw, _ = config
+    grid = (-(-(N // 16) // tw), split)
+    args = (x, words, sz, y, N, K, M)
+    cuda_rtc.launch(fns[_name(steps, config, split > 1)], grid, tw * kw * 32, args, x.device, pdl)

@@ -1,0 +1,102 @@
+"""The CUDA C++ int4 tensor-core GEMV (`ember.quant.cuda_int4`, built by NVRTC).
+
+Its layout and fragment arithmetic are the Triton tensor-core GEMV's, checked on CPU in test_quant_mma.py.
+On a GPU with NVRTC: every block shape against float math on the dequantized weights, whole rows and split
+into runs of K (float32 partials), 1 to 8 activation rows, groups of 64 to 256, widths that leave tiles over
+by every block; in a CUDA graph with programmatic dependent launch; and through the tensor-core op with the
+kernel offered to its tuner.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.quant import cuda_int4
+from ember.quant.kernels import int4_mma_scales, int4_mma_tile, split_k_partials
+from ember.quant.linear import pack_nibbles, quantize_int4_grouped
+
+
+def test_no_block_shape_gives_a_tiles_warp_no_group():
+    for groups, split in ((32, 16), (32, 1), (112, 16), (8, 4), (4, 1), (1, 1)):
+        shapes = cuda_int4.configs(groups, split)
+        assert shapes and all(kw <= groups // split for _, kw, _ in shapes)
+
+
+def _cuda_ready() -> bool:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        return False
+    from ember.ops import cuda_rtc
+
+    return cuda_rtc.available()
+
+
+needs_cuda = pytest.mark.skipif(not _cuda_ready(), reason="needs an sm80+ CUDA GPU and NVRTC")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def quantized(N: int, K: int, group: int, dev: torch.device):
+    """The layout's words and factors of random weights, and those weights as the kernel reads them (float32)."""
+    codes, sc, mn = quantize_int4_grouped(torch.randn(N, K, device=dev) * 0.05, group)
+    sz = int4_mma_scales(sc, mn)
+    s = (sz & -65536).view(torch.float32)  # the bf16 factors as rounded (high half: scale, low: min)
+    z = (sz << 16).view(torch.float32)
+    w = (codes.float().reshape(N, -1, group) * s[..., None] + z[..., None]).reshape(N, K)
+    return int4_mma_tile(pack_nibbles(codes)), sz, w
+
+
+@needs_cuda
+@pytest.mark.parametrize("group", [64, 128, 256])
+def test_every_block_shape_and_split_against_float_math(group):
+    dev = torch.device("cuda")
+    N, K = 16 * 13, group * 24  # 13 tiles: left over by every block of 2, 4 and 8 tiles
+    words, sz, w = quantized(N, K, group, dev)
+    for M in (1, 3, 8):
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        x[:, 5] = 30.0
+        ref = x.float() @ w.T
+        for split in (1, 2, 3, 8):
+            for config in cuda_int4.configs(K // group, split):
+                if split == 1:
+                    y = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
+                    cuda_int4.gemv(x, words, sz, y, group, config, split, pdl=False)
+                    assert rel_err(y, ref) < 1e-2, (config, M)
+                else:
+                    y = torch.full((split, M, N), float("nan"), device=dev)
+                    cuda_int4.gemv(x, words, sz, y, group, config, split, pdl=False)
+                    assert rel_err(y, split_k_partials(x, w, split)) < 1e-3, (config, M, split)
+
+
+@needs_cuda
+def test_in_a_cuda_graph_with_pdl_and_through_the_op(monkeypatch):
+    from ember.ops.launch import pdl
+    from ember.quant import kernels, tuning
+
+    dev = torch.device("cuda")
+    N, K, group = 512, 2048, 128
+    words, sz, w = quantized(N, K, group, dev)
+    x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+    y = torch.empty(1, N, device=dev, dtype=torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        cuda_int4.gemv(x, words, sz, y, group, cuda_int4.CONFIGS[0], 1, pdl(dev))
+        with torch.cuda.graph(graph, stream=stream):
+            z = torch.add(x, 0.0)  # a kernel before, which the GEMV waits on
+            cuda_int4.gemv(z, words, sz, y, group, cuda_int4.CONFIGS[-1], 1, pdl(dev))
+    for _ in range(3):
+        x.normal_()
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(y, x.float() @ w.T) < 1e-2
+    monkeypatch.setattr(cuda_int4, "OFFERED", True)
+    tuning._picked.clear()
+    # The ops time Triton's launches and these block shapes, and run the fastest.
+    assert rel_err(kernels.int4_mma_linear(x, words, sz, group), x.float() @ w.T) < 1e-2
+    parts = kernels.int4_mma_partials(x, words, sz, group, 4)
+    assert rel_err(parts, split_k_partials(x, w, 4)) < 1e-3
+    tuning._picked.clear()
