@@ -32,6 +32,10 @@ CONFIGS = [
 # benchmarks/gpu_gemv.py --kinds int4mma int4cu): the Triton kernel runs meanwhile.
 OFFERED = False
 
+# With the kernel offered, K is split by the warps of a block (KW) instead of over blocks leaving float32
+# partials (`ember.quant.triton_mma.row_splits`). Off until GPU timings favour it.
+WHOLE_ROWS = False
+
 _FAILED: set[tuple[int, int]] = set()  # (device, steps a group) whose build failed (logged once)
 
 
@@ -64,6 +68,20 @@ def configs(groups: int, split: int) -> list[tuple[int, int, int]]:
     """The configurations worth timing for a row of `groups` groups cut into `split` runs: no warp of a tile
     without a group of its own."""
     return [c for c in CONFIGS if c[1] <= groups // split]
+
+
+def whole_rows(device: torch.device, group_size: int) -> bool:
+    """Whether decode GEMVs of this group size run whole rows of K on `device` (the kernel built and chosen)."""
+    return (
+        OFFERED
+        and WHOLE_ROWS
+        and device.type == "cuda"
+        and group_size % 64 == 0
+        and group_size // 64 in GROUP_STEPS
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+        and cuda_rtc.available()
+        and kernels(device, group_size // 64) is not None
+    )
 
 
 def kernels(device: torch.device, group_steps: int) -> dict | None:

@@ -320,7 +320,7 @@ class Int4WeightOnlyLinear(QuantLinear):
 
         - "mma": on CUDA from sm80 on, bf16, where the tensor-core layout holds the weights
           (`kernels.int4_mma_fits`: groups of 64 or more), Ember's tensor-core GEMV up to 8 rows
-          (`ember.quant.triton_mma`; K split into `triton_mma.splits` runs where N is small), a Triton
+          (`ember.quant.triton_mma`; K split into `triton_mma.row_splits` runs where N is small), a Triton
           dequantize and torch's matmul for more. On an H200 it reads Llama-3-8B's projections in 57-77% of
           the tiled kernel's time, and the compiled int4-g128 step decodes 443 tok/s against 405 (BENCHMARKS.md).
         - "tiled": on CUDA for the rest (groups of 32; other GPUs) where K splits into tiles of 8 groups
@@ -373,7 +373,7 @@ class Int4WeightOnlyLinear(QuantLinear):
                 from ember.quant import triton_mma
 
                 N, K, g = self.out_features, self.in_features, self.group_size
-                self._splits = triton_mma.splits(N, K, g, triton_mma.multiprocessors(dev))
+                self._splits = triton_mma.row_splits(N, K, g, dev)
         elif self._kernel == "tiled":
             self.register_buffer("_words", kernels.int4_tile(self.qweight, self.group_size), persistent=False)
             self.register_buffer(

@@ -222,6 +222,14 @@ def splits(N: int, K: int, group_size: int, multiprocessors: int) -> int:
     return next((d for d in fits if tiles * d >= WARPS_PER_SM * multiprocessors), fits[-1])
 
 
+def row_splits(N: int, K: int, group_size: int, device: torch.device) -> int:
+    """Runs of K a decode GEMV of this shape leaves as float32 partials: `splits`, or 1 where the CUDA C++
+    kernel splits K among the warps of a block instead (`cuda_int4.whole_rows`)."""
+    if cuda_int4.whole_rows(device, group_size):
+        return 1
+    return splits(N, K, group_size, multiprocessors(device))
+
+
 def int4_mma_gemv(
     x: torch.Tensor,
     words: torch.Tensor,
@@ -283,10 +291,10 @@ def int4_mma_gemv(
 
 
 def int4_mma_linear(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
-    """y (M, N) in x's dtype: `int4_mma_gemv` over `splits` runs of K where N is small, the partial sums added
-    by a second kernel (launched with PDL, like the GEMV)."""
+    """y (M, N) in x's dtype: `int4_mma_gemv` over `row_splits` runs of K where N is small, the partial sums
+    added by a second kernel (launched with PDL, like the GEMV)."""
     K, N = x.shape[1], words.shape[0]
-    split = splits(N, K, group_size, multiprocessors(x.device))
+    split = row_splits(N, K, group_size, x.device)
     if split == 1:
         return int4_mma_gemv(x, words, sz, group_size)
     return sum_splits(int4_mma_gemv(x, words, sz, group_size, split), x.dtype)
