@@ -76,7 +76,8 @@ def weights_for(kind: str, N: int, K: int, copies: int):
     )
 
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
-    kind = kind.removesuffix("glu").removesuffix("cu")  # fused gate/up and the CUDA C++ kernel: same weights
+    # fused gate/up and the CUDA C++ kernels: the weights of the Triton kernel they stand beside
+    kind = {"int4cu": "int4mma"}.get(kind, kind).removesuffix("glu").removesuffix("cu")
     if kind == "bf16":
         one = (w,)
     elif kind == "int8":

@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cu"
 HEAD_DIMS = (64, 128, 256)  # D / 8 threads hold a slot: a power of two up to a warp
 MAX_GROUP = 8  # query heads a kv head (registers: 8 floats of each head's query and output a thread)
-# Caches up to this many slots run this kernel in `ember::decode_attention` (0, off: not yet measured).
-MAX_SLOTS = 0
+# Caches up to this many slots run this kernel in `ember::decode_attention`: the range timed against the Triton
+# kernel (H100, Llama-3-8B layers, S = 384-1024: 7.1-9.1 us a layer against 11.3-13.7; BENCHMARKS.md).
+MAX_SLOTS = 1024
 SHARED_BYTES = 48 * 1024  # static shared memory a block may take
 _DTYPES = {torch.bfloat16: "true", torch.float16: "false"}
 _FAILED: set[int] = set()  # devices where the build failed (logged once)
@@ -34,9 +35,10 @@ _FAILED: set[int] = set()  # devices where the build failed (logged once)
 
 def default_config(S: int, D: int, G: int) -> tuple[int, int, int]:
     """(warps a block, steps of slots each thread keeps loading, blocks a cluster) for S slots of head dim D
-    and G query heads a kv head. A thread holds 16 floats a query head besides 2 x steps 16-byte loads: past
-    G = 4, 8 steps spill registers to the stack (ptxas, sm_90), 4 do not."""
-    return 4, 8 if G <= 4 else 4, 8
+    and G query heads a kv head: 8 warps of 4 steps, the fastest of nine shapes at every S timed (H100,
+    Llama-3-8B, S = 384-1024; BENCHMARKS.md). A thread holds 16 floats a query head besides 2 x steps 16-byte
+    loads: past G = 4, 8 steps spill registers to the stack (ptxas, sm_90), 4 do not."""
+    return 8, 4, 8
 
 
 def chunk_of(S: int, D: int, config: tuple[int, int, int]) -> int:

@@ -28,13 +28,14 @@ CONFIGS = [
     *[(4, 1, 2), (8, 1, 2), (4, 1, 4), (2, 2, 2)],  # for short runs (K split over blocks)
     *[(2, 4, 2), (1, 4, 2), (1, 4, 4), (1, 8, 2), (1, 8, 4), (2, 8, 2), (1, 16, 2)],  # for long runs
 ]
-# Off until the kernel has been checked and timed on a GPU (tests/quant/test_cuda_int4.py,
-# benchmarks/gpu_gemv.py --kinds int4mma int4cu): the Triton kernel runs meanwhile.
-OFFERED = False
+# Whether the tuner times these block shapes beside the Triton kernel's (tests/quant/test_cuda_int4.py passed
+# on an H100; BENCHMARKS.md, twenty-fourth session).
+OFFERED = True
 
 # With the kernel offered, K is split by the warps of a block (KW) instead of over blocks leaving float32
-# partials (`ember.quant.triton_mma.row_splits`). Off until GPU timings favour it.
-WHOLE_ROWS = False
+# partials (`ember.quant.triton_mma.row_splits`): the int4-g128 Llama-3-8B step took 2357 us against 2425
+# (H100, BENCHMARKS.md, twenty-fourth session).
+WHOLE_ROWS = True
 
 _FAILED: set[tuple[int, int]] = set()  # (device, steps a group) whose build failed (logged once)
 
