@@ -23,6 +23,20 @@ def test_no_block_shape_gives_a_tiles_warp_no_group():
         assert shapes and all(kw <= groups // split for _, kw, _ in shapes)
 
 
+def test_the_gate_up_op_off_cuda_is_swiglu_of_the_dequantized_weights():
+    from ember.quant import kernels
+
+    N, K, group = 32, 256, 64
+    words, sz, w = quantized(2 * N, K, group, torch.device("cpu"))
+    x = torch.randn(3, K, dtype=torch.bfloat16)
+    gate, up = (x.float() @ w.T).chunk(2, dim=-1)
+    got = kernels.int4_mma_silu_gate_up(x, words, sz, group)
+    assert got.shape == (3, N) and got.dtype == torch.bfloat16
+    assert rel_err(got, torch.nn.functional.silu(gate) * up) < 2e-2
+    fake = torch.library.opcheck(kernels.int4_mma_silu_gate_up, (x, words, sz, group))
+    assert all(v == "SUCCESS" for v in fake.values())
+
+
 def _cuda_ready() -> bool:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
         return False
@@ -100,3 +114,42 @@ def test_in_a_cuda_graph_with_pdl_and_through_the_op(monkeypatch):
     parts = kernels.int4_mma_partials(x, words, sz, group, 4)
     assert rel_err(parts, split_k_partials(x, w, 4)) < 1e-3
     tuning._picked.clear()
+
+
+@needs_cuda
+@pytest.mark.parametrize("group", [64, 128, 256])
+def test_gate_up_with_swiglu_against_the_unfused_ops(group):
+    from ember.quant import kernels
+
+    dev = torch.device("cuda")
+    N, K = 16 * 5, group * 16  # 5 tiles of outputs: left over by blocks of 2
+    words, sz, w = quantized(2 * N, K, group, dev)
+    for M in (1, 3, 8):
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        gate, up = (x @ w.T.to(torch.bfloat16)).chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(gate) * up
+        for config in cuda_int4.GLU_CONFIGS:
+            y = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
+            cuda_int4.gemv(x, words, sz, y, group, config, 1, pdl=False, glu=True)
+            assert rel_err(y, ref) < 2e-2, (config, M)
+        got = kernels.int4_mma_silu_gate_up(x, words, sz, group)  # the op: tuned, then one launch
+        assert rel_err(got, kernels.int4_mma_silu_gate_up_reference(x, words, sz, group)) < 2e-2
+
+
+@needs_cuda
+def test_an_int4_mlp_decodes_as_its_float_math(monkeypatch):
+    # A gate/up projection of the int4 module with the kernel over whole rows: SwiGLU in the GEMV's store.
+    from ember.ops.linear import silu_gate_up
+    from ember.quant.linear import Int4WeightOnlyLinear
+
+    monkeypatch.setattr(cuda_int4, "OFFERED", True)
+    monkeypatch.setattr(cuda_int4, "WHOLE_ROWS", True)
+    dev = torch.device("cuda")
+    lin = torch.nn.Linear(1024, 2 * 256, bias=False, device=dev, dtype=torch.bfloat16)
+    module = Int4WeightOnlyLinear.from_float(lin, group_size=128).to(dev)
+    module.prepare()
+    x = torch.randn(1, 1, 1024, device=dev, dtype=torch.bfloat16)
+    fused = module.fused_silu_gate_up(x)
+    assert fused is not None and fused.shape == (1, 1, 256)
+    gate, up = module(x).chunk(2, dim=-1)
+    assert rel_err(silu_gate_up(module, x), torch.nn.functional.silu(gate) * up) < 2e-2

@@ -37,12 +37,16 @@ OFFERED = True
 # (H100, BENCHMARKS.md, twenty-fourth session).
 WHOLE_ROWS = True
 
+# Gate/up + SwiGLU (`silu_gate_up`): a block holds TW gate tiles and their TW up tiles, so 2 TW KW warps.
+GLU_CONFIGS = [(1, 2, 2), (1, 4, 2), (1, 4, 4), (2, 2, 2), (1, 8, 2), (2, 4, 2)]
+
 _FAILED: set[tuple[int, int]] = set()  # (device, steps a group) whose build failed (logged once)
 
 
-def _name(group_steps: int, config: tuple[int, int, int], split: bool) -> str:
+def _name(group_steps: int, config: tuple[int, int, int], split: bool, glu: bool = False) -> str:
     tw, kw, depth = config
-    return f"int4_mma_gemv<{group_steps}, {tw}, {kw}, {depth}, {'true' if split else 'false'}>"
+    flags = ", ".join("true" if f else "false" for f in (split, glu))
+    return f"int4_mma_gemv<{group_steps}, {tw}, {kw}, {depth}, {flags}>"
 
 
 def fits(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> bool:
@@ -92,6 +96,7 @@ def kernels(device: torch.device, group_steps: int) -> dict | None:
     if key in _FAILED:
         return None
     names = [_name(group_steps, c, split) for c in CONFIGS for split in (False, True)]
+    names += [_name(group_steps, c, False, glu=True) for c in GLU_CONFIGS]
     try:
         return cuda_rtc.load(SOURCE, names, device)
     except cuda_rtc.CudaError as e:
@@ -109,16 +114,38 @@ def gemv(
     config: tuple[int, int, int],
     split: int,
     pdl: bool,
+    glu: bool = False,
 ) -> None:
     """y (M, N) bf16 = x (M, K) @ w.T; with split > 1, y (split, M, N) float32 partial sums over equal runs
-    of K's groups. words, sz: `kernels.int4_mma_tile` and `kernels.int4_mma_scales` of w (N, K)."""
+    of K's groups; with glu (w is gate rows over up rows, 2N of them), y (M, N) = silu(gate) * up. words, sz:
+    `kernels.int4_mma_tile` and `kernels.int4_mma_scales` of w."""
     steps = group_size // 64
     fns = kernels(x.device, steps)
     if fns is None:
         raise cuda_rtc.CudaError("the CUDA int4 GEMV is not built")
     M, K = x.shape
-    N = words.shape[0]
+    N = words.shape[0] // (2 if glu else 1)
     tw, kw, _ = config
     grid = (-(-(N // 16) // tw), split)
     args = (x, words, sz, y, N, K, M)
-    cuda_rtc.launch(fns[_name(steps, config, split > 1)], grid, tw * kw * 32, args, x.device, pdl)
+    threads = tw * (2 if glu else 1) * kw * 32
+    cuda_rtc.launch(fns[_name(steps, config, split > 1, glu)], grid, threads, args, x.device, pdl)
+
+
+def silu_gate_up(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
+    """silu(gate) * up (M, N) of x (M, K) bf16 and a gate/up weight (2N rows) in the tensor-core layout, as
+    one kernel; the block shape timed once per shape (`ember.quant.tuning`). Needs `fits`."""
+    from ember.ops.launch import pdl
+    from ember.quant import tuning
+
+    M, K = x.shape
+    y = torch.empty(M, words.shape[0] // 2, device=x.device, dtype=x.dtype)
+    on = pdl(x.device)
+
+    def run(config: tuple[int, int, int], w: tuple[torch.Tensor, ...]) -> None:
+        gemv(x, w[0], w[1], y, group_size, config, 1, on, glu=True)
+
+    shapes = [c for c in GLU_CONFIGS if c[1] <= K // group_size]
+    key = ("int4_glu", M, words.shape[0], K, group_size)
+    run(tuning.pick(key, shapes, run, (words, sz)), (words, sz))
+    return y

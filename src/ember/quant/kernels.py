@@ -477,3 +477,35 @@ def _mma_partials_launch(x, words, sz, group_size, splits):
 int4_mma_partials, int4_mma_partials_reference = _partials_op(
     "int4_mma_partials", int4_mma_dequantize, _mma_partials_launch
 )
+
+
+def int4_mma_silu_gate_up_reference(
+    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """silu(gate) * up (M, N) of x (M, K) and a gate/up weight (gate rows over up rows, 2N of them) in the
+    tensor-core layout: the projection in x's dtype, then the activation as `silu_gate_up_reference` rounds."""
+    gate, up = int4_mma_linear(x, words, sz, group_size).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@torch.library.custom_op("ember::int4_mma_silu_gate_up", mutates_args=())
+def int4_mma_silu_gate_up(
+    x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """`int4_mma_silu_gate_up_reference`; on CUDA one kernel where the CUDA C++ int4 GEMV takes the operands
+    (`ember.quant.cuda_int4.silu_gate_up`)."""
+    return int4_mma_silu_gate_up_reference(x, words, sz, group_size)
+
+
+@int4_mma_silu_gate_up.register_fake
+def _(x, words, sz, group_size):
+    return x.new_empty(x.shape[0], words.shape[0] // 2)
+
+
+@int4_mma_silu_gate_up.register_kernel("cuda")
+def _(x, words, sz, group_size):
+    from ember.quant import cuda_int4
+
+    if cuda_int4.fits(x, words, sz, group_size) and (words.shape[0] // 2) % 16 == 0:
+        return cuda_int4.silu_gate_up(x, words, sz, group_size)
+    return int4_mma_silu_gate_up_reference(x, words, sz, group_size)

@@ -271,6 +271,7 @@ class Int4WeightOnlyLinear(QuantLinear):
         self.register_buffer("scales", torch.ones(out_features, G, dtype=torch.float32))
         self.register_buffer("mins", torch.zeros(out_features, G, dtype=torch.float32))
         self._splits = 1  # runs of K the tiled one-row GEMV adds up, set by `prepare` (`split_forward`)
+        self._whole_rows = False  # set by `prepare` (`fused_silu_gate_up`)
 
     @classmethod
     def from_float(cls, linear: nn.Linear, group_size: int = 128) -> Int4WeightOnlyLinear:
@@ -341,6 +342,7 @@ class Int4WeightOnlyLinear(QuantLinear):
         """
         dev = self.qweight.device
         self._splits = 1
+        self._whole_rows = False  # decode GEMVs by the CUDA C++ int4 kernel over whole rows of K
         inner = next((t for t in (8, 4, 2) if self.in_features % (16 * t) == 0), None)
         cuda_ok = self.dtype == torch.bfloat16 and self.out_features % 8 == 0 and inner is not None
         if dev.type == "cpu" and cpu_ext.fits(self.out_features, self.in_features) and cpu_ext.available():
@@ -370,10 +372,11 @@ class Int4WeightOnlyLinear(QuantLinear):
             self.register_buffer("_words", kernels.int4_mma_tile(self.qweight), persistent=False)
             self.register_buffer("_msz", kernels.int4_mma_scales(self.scales, self.mins), persistent=False)
             if kernels.HAS_TRITON:
-                from ember.quant import triton_mma
+                from ember.quant import cuda_int4, triton_mma
 
                 N, K, g = self.out_features, self.in_features, self.group_size
                 self._splits = triton_mma.row_splits(N, K, g, dev)
+                self._whole_rows = cuda_int4.whole_rows(dev, g)
         elif self._kernel == "tiled":
             self.register_buffer("_words", kernels.int4_tile(self.qweight, self.group_size), persistent=False)
             self.register_buffer(
@@ -414,6 +417,15 @@ class Int4WeightOnlyLinear(QuantLinear):
         if rows >= HALVES_ROWS:
             return torch.stack((low * scale + low_min, high * scale + low_min), dim=-1).reshape(N, K)
         return tuple((codes * scale + low_min).reshape(N, K // 2) for codes in (low, high))
+
+    def fused_silu_gate_up(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up for one decode row, as one kernel, where this module is a gate/up projection (gate
+        rows over up rows) that the CUDA C++ int4 GEMV runs over whole rows (`ember.quant.cuda_int4`); else
+        None."""
+        if not self._whole_rows or self.bias is not None or (self.out_features // 2) % 16:
+            return None
+        y = kernels.int4_mma_silu_gate_up(x.reshape(1, -1), self._words, self._msz, self.group_size)
+        return y.reshape(*x.shape[:-1], -1)
 
     def split_forward(self, x: torch.Tensor) -> torch.Tensor | kernels.SplitSum:
         """forward(x); or, for one decode row on CUDA where the tiled GEMV splits K, its float32 partial sums

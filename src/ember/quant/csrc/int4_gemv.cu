@@ -8,7 +8,8 @@
 // group's factors sz = (s, min) as bf16 (kernels.int4_mma_scales). B column n is activation row n (up to 8).
 //
 // y (M, N) bf16 = x (M, K) bf16 @ w.T, or with SPLIT float32 partial sums (gridDim.y, M, N) over equal runs
-// of K's groups (for a consumer that adds them as it reads them: ember.quant.kernels.SplitSum).
+// of K's groups (for a consumer that adds them as it reads them: ember.quant.kernels.SplitSum), or with GLU
+// SwiGLU's silu(gate) * up of a gate/up weight.
 //
 // What the Triton kernel could not be made to do: a warp keeps DEPTH groups of weights in flight (and the
 // next group's activations) while it multiplies one; KW warps of a block share a tile, each taking every
@@ -49,21 +50,26 @@ __device__ __forceinline__ void step(uint4 w, const uint4 (&x)[2], float (&C)[4]
   }
 }
 
-// Grid (cdiv(N / 16, TW), S); a block is TW x KW warps. Warp w serves tile blockIdx.x * TW + w % TW and, of
-// the run of groups blockIdx.y owns, every KW-th from w / TW. A group is GS steps (64 GS weights of a row).
+// Grid (cdiv(N / 16, TW), S); a block is TW x H x KW warps, H = 2 with GLU (else 1). Warp w serves slot
+// w % (TW H) (tile blockIdx.x * TW + slot % TW, of the up half with GLU when slot >= TW) and, of the run of
+// groups blockIdx.y owns, every KW-th from w / (TW H). A group is GS steps (64 GS weights of a row).
 // Accumulator c of lane (g, q): row 16 tile + g + 8 (c / 2), activation row 2q + c % 2.
-template <int GS, int TW, int KW, int DEPTH, bool SPLIT>
-__global__ void __launch_bounds__(TW * KW * 32) int4_mma_gemv(const u16* __restrict__ x,
-                                                              const uint4* __restrict__ w,
-                                                              const u32* __restrict__ sz, void* __restrict__ y,
-                                                              int N, int K, int M) {
+// GLU: the weight is gate rows over up rows (2N of them) and y (M, N) = silu(gate) * up, each rounded where
+// the unfused bf16 ops round.
+template <int GS, int TW, int KW, int DEPTH, bool SPLIT, bool GLU>
+__global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32)
+    int4_mma_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u32* __restrict__ sz,
+                  void* __restrict__ y, int N, int K, int M) {
+  static_assert(!(GLU && SPLIT), "a gate/up GEMV stores whole rows");
+  constexpr int SLOTS = TW * (GLU ? 2 : 1);
   pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, q = lane & 3;
   const int T = N >> 4, steps = K >> 6, G = steps / GS;
-  const int own = blockIdx.x * TW + warp % TW;
-  const int tile = min(own, T - 1);  // warps past the last tile redo it and store nothing
-  const int kr = warp / TW;
+  const int slot = warp % SLOTS, kr = warp / SLOTS;
+  const bool up = GLU && slot >= TW;
+  const int own = blockIdx.x * TW + slot % TW;
+  const int tile = min(own, T - 1) + (up ? T : 0);  // warps past the last tile redo it and store nothing
   const int run = G / gridDim.y;
   const int first = blockIdx.y * run + kr;  // the warp's groups: first + j KW for j < n
   const int n = (run - kr + KW - 1) / KW;
@@ -126,21 +132,42 @@ __global__ void __launch_bounds__(TW * KW * 32) int4_mma_gemv(const u16* __restr
       }
     }
   }
-  if (KW > 1) {  // the tile's other warps hand their sums to warp w % TW, which adds them in order
-    __shared__ float red[KW > 1 ? (KW - 1) * TW * 128 : 1];
+  if (KW > 1) {  // the slot's other warps hand their sums to warp `slot`, which adds them in order
+    __shared__ float red[KW > 1 ? (KW - 1) * SLOTS * 128 : 1];
     if (kr > 0) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c) red[((kr - 1) * TW + warp % TW) * 128 + c * 32 + lane] = acc[c];
+      for (int c = 0; c < 4; ++c) red[((kr - 1) * SLOTS + slot) * 128 + c * 32 + lane] = acc[c];
     }
     __syncthreads();
-    if (kr > 0) return;
+    if (kr == 0) {
 #pragma unroll
-    for (int k = 1; k < KW; ++k) {
+      for (int k = 1; k < KW; ++k) {
 #pragma unroll
-      for (int c = 0; c < 4; ++c) acc[c] += red[((k - 1) * TW + warp) * 128 + c * 32 + lane];
+        for (int c = 0; c < 4; ++c) acc[c] += red[((k - 1) * SLOTS + slot) * 128 + c * 32 + lane];
+      }
     }
   }
-  if (own >= T) return;
+  if (GLU) {  // the up warps hand their sums to the gate warps of the same rows
+    __shared__ float ups[GLU ? TW * 128 : 1];
+    if (kr == 0 && up) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) ups[(slot - TW) * 128 + c * 32 + lane] = acc[c];
+    }
+    __syncthreads();
+    if (kr > 0 || up || own >= T) return;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int m = 2 * q + (c & 1), row = own * 16 + g + 8 * (c >> 1);
+      if (m < M) {
+        const float gate = round_to<true>(acc[c]);
+        const float act = round_to<true>(gate / (1.0f + __expf(-gate)));
+        const float out = act * round_to<true>(ups[slot * 128 + c * 32 + lane]);
+        static_cast<u16*>(y)[(size_t)m * N + row] = from_f32<true>(out);
+      }
+    }
+    return;
+  }
+  if (kr > 0 || own >= T) return;
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     const int m = 2 * q + (c & 1), row = tile * 16 + g + 8 * (c >> 1);
