@@ -100,6 +100,7 @@ def weights_for(kind: str, N: int, K: int, copies: int):
 
 
 def kernel_calls(kind: str, x: torch.Tensor, ws, config: dict | None):
+    from ember.ops.launch import pdl
     from ember.quant import triton_kernels as tk
 
     if kind == "bf16":
@@ -118,7 +119,8 @@ def kernel_calls(kind: str, x: torch.Tensor, ws, config: dict | None):
         N = ws[0][0].shape[0] // (2 if glu else 1)
         y = torch.empty(x.shape[0], N, device=x.device, dtype=x.dtype)
         shape = tuple(config["CUDA"])
-        return lambda i: cuda_gemv.gemv(x, *ws[i % len(ws)], y, shape, glu, pdl=False)
+        on = pdl(x.device)  # as the Triton kernels launch (`ember.ops.launch`)
+        return lambda i: cuda_gemv.gemv(x, *ws[i % len(ws)], y, shape, glu, pdl=on)
     if kind in ("bf16glu", "int8glu"):  # gate rows over up rows -> silu(gate) * up, as the MLP runs it
         return lambda i: tk.fused_gemv(x, *ws[i % len(ws)], glu=True, blocks=config)
     if kind == "int4":
@@ -145,7 +147,8 @@ def kernel_calls(kind: str, x: torch.Tensor, ws, config: dict | None):
         shape = (split, x.shape[0], N) if split > 1 else (x.shape[0], N)
         y = torch.empty(shape, device=x.device, dtype=torch.float32 if split > 1 else x.dtype)
         block = tuple(config["CUDA"])
-        return lambda i: cuda_int4.gemv(x, *ws[i % len(ws)], y, GROUP, block, split, pdl=False)
+        on = pdl(x.device)  # as the Triton kernels launch (`ember.ops.launch`)
+        return lambda i: cuda_int4.gemv(x, *ws[i % len(ws)], y, GROUP, block, split, pdl=on)
     if kind == "tinygemm":
         return lambda i: torch.ops.aten._weight_int4pack_mm(x, ws[i % len(ws)][0], GROUP, ws[i % len(ws)][1])
     raise ValueError(kind)
