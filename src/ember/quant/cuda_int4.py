@@ -4,6 +4,8 @@ Same layout, function and outputs as the Triton tensor-core GEMV (`ember.quant.t
 `kernels.int4_mma_tile` words, `kernels.int4_mma_scales` factors, bf16 activations, up to 8 rows; y in bf16
 or float32 partial sums over runs of K). A configuration is a block shape (`CONFIGS`); where `OFFERED`, they
 join the Triton kernel's tuner candidates, so each shape runs whichever kernel is faster on the device in hand.
+It also runs a gate/up projection with SwiGLU applied as it stores (`silu_gate_up`), which the Triton kernel
+does not: with `WHOLE_ROWS` an int4 MLP's gate/up is one kernel (`Int4WeightOnlyLinear.fused_silu_gate_up`).
 
 Shape legend: M rows of activations, K input features, N output features, g group size, S runs of K.
 """
@@ -33,8 +35,8 @@ CONFIGS = [
 OFFERED = True
 
 # With the kernel offered, K is split by the warps of a block (KW) instead of over blocks leaving float32
-# partials (`ember.quant.triton_mma.row_splits`): the int4-g128 Llama-3-8B step took 2357 us against 2425
-# (H100, BENCHMARKS.md, twenty-fourth session).
+# partials (`ember.quant.triton_mma.row_splits`): the int4-g128 Llama-3-8B step took 2357 us against 2425, and
+# 2088 us against 2181 with gate/up + SwiGLU as one kernel (H100, BENCHMARKS.md, twenty-fourth session).
 WHOLE_ROWS = True
 
 # Gate/up + SwiGLU (`silu_gate_up`): a block holds TW gate tiles and their TW up tiles, so 2 TW KW warps.
