@@ -20,3 +20,29 @@ def test_every_include_of_a_kernel_source_is_handed_to_nvrtc_and_shipped():
     for path in [*sources, *cuda_rtc.HEADERS]:
         relative = path.relative_to(PACKAGE).as_posix()
         assert any(fnmatch(relative, p) for p in patterns), relative
+
+
+def test_a_failed_build_is_logged_once_and_not_tried_again(monkeypatch, caplog):
+    # What the kernels' callers rely on to fall back to Triton: None, one warning naming the kernel, and no
+    # second NVRTC run (seconds each) for the same source and device.
+    import torch
+
+    calls = []
+
+    def failing_load(path, names, device):
+        calls.append(names)
+        raise cuda_rtc.CudaError("nvrtcCompileProgram: NVRTC_ERROR_COMPILATION")
+
+    monkeypatch.setattr(cuda_rtc, "load", failing_load)
+    monkeypatch.setattr(cuda_rtc, "_UNBUILT", set())
+    source, device = PACKAGE / "quant" / "csrc" / "int4_gemv.cu", torch.device("cuda", 0)
+    with caplog.at_level("WARNING", logger="ember.ops.cuda_rtc"):
+        for _ in range(3):
+            assert cuda_rtc.load_or_none(source, ["k<1>"], device, "CUDA int4 GEMV") is None
+    assert len(calls) == 1
+    assert [r.getMessage() for r in caplog.records] == [
+        "Ember's CUDA int4 GEMV could not be built (nvrtcCompileProgram: NVRTC_ERROR_COMPILATION); "
+        "the Triton kernel runs instead"
+    ]
+    assert cuda_rtc.load_or_none(source, ["k<1>"], torch.device("cuda", 1), "CUDA int4 GEMV") is None
+    assert len(calls) == 2  # another device is tried

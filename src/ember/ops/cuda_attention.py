@@ -12,15 +12,12 @@ Shape legend: B rows, H query heads, K kv heads, S cache slots, D head dim, G = 
 
 from __future__ import annotations
 
-import logging
 import math
 from pathlib import Path
 
 import torch
 
 from ember.ops import cuda_rtc, launch
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cu"
 HEAD_DIMS = (64, 128, 256)  # D / 8 threads hold a slot: a power of two up to a warp
@@ -30,7 +27,6 @@ MAX_GROUP = 8  # query heads a kv head (registers: 8 floats of each head's query
 MAX_SLOTS = 1024
 SHARED_BYTES = 48 * 1024  # static shared memory a block may take
 _DTYPES = {torch.bfloat16: "true", torch.float16: "false"}
-_FAILED: set[int] = set()  # devices where the build failed (logged once)
 
 
 def default_config(S: int, D: int, G: int) -> tuple[int, int, int]:
@@ -91,17 +87,8 @@ def fits(q, k, v, cos, sin, k_cache, v_cache, positions, config: tuple[int, int,
 
 
 def _kernel(dtype: torch.dtype, D: int, G: int, config: tuple[int, int, int], device: torch.device):
-    index = cuda_rtc.device_index(device)
-    if index in _FAILED:
-        return None
-    try:
-        return cuda_rtc.load(SOURCE, [_name(dtype, D, G, config)], device)[_name(dtype, D, G, config)]
-    except cuda_rtc.CudaError as e:
-        log.warning(
-            "Ember's CUDA decode attention could not be built (%s); the Triton kernel runs instead", e
-        )
-        _FAILED.add(index)
-        return None
+    fns = cuda_rtc.load_or_none(SOURCE, [_name(dtype, D, G, config)], device, "CUDA decode attention")
+    return None if fns is None else fns[_name(dtype, D, G, config)]
 
 
 def decode_attention(

@@ -237,6 +237,23 @@ def load(path: Path, names: list[str], device: torch.device) -> dict[str, ctypes
         return functions
 
 
+_UNBUILT: set[tuple[str, int]] = set()  # (source, device) whose build failed
+
+
+def load_or_none(path: Path, names: list[str], device: torch.device, what: str) -> dict | None:
+    """`load`, or None where the build fails: logged once (naming `what`, the kernel) per source and device,
+    which are not tried again; the caller runs its Triton kernel instead."""
+    key = (str(path), device_index(device))
+    if key in _UNBUILT:
+        return None
+    try:
+        return load(path, names, device)
+    except CudaError as e:
+        log.warning("Ember's %s could not be built (%s); the Triton kernel runs instead", what, e)
+        _UNBUILT.add(key)
+        return None
+
+
 def launch(
     fn: ctypes.c_void_p,
     grid: int | tuple[int, ...],

@@ -9,14 +9,11 @@ Shape legend: M rows of activations, K input features, N output features.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 
 from ember.ops import cuda_rtc
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "int8_gemv.cu"
 CHUNK = 16  # bytes of codes a thread loads at a time: K must be a multiple
@@ -42,9 +39,6 @@ def _all_names() -> list[str]:
     ]
 
 
-_FAILED: set[int] = set()  # devices where the build failed (logged once)
-
-
 def fits(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether the CUDA kernel takes these operands (else the Triton kernel runs)."""
     K = x.shape[1]
@@ -65,15 +59,7 @@ def fits(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> bool:
 
 def kernels(device: torch.device) -> dict | None:
     """The built kernels for `device`, or None where they cannot be built (logged once)."""
-    index = cuda_rtc.device_index(device)
-    if index in _FAILED:
-        return None
-    try:
-        return cuda_rtc.load(SOURCE, _all_names(), device)
-    except cuda_rtc.CudaError as e:
-        log.warning("Ember's CUDA int8 GEMV could not be built (%s); the Triton kernel runs instead", e)
-        _FAILED.add(index)
-        return None
+    return cuda_rtc.load_or_none(SOURCE, _all_names(), device, "CUDA int8 GEMV")
 
 
 def gemv(

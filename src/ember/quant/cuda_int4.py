@@ -12,14 +12,11 @@ Shape legend: M rows of activations, K input features, N output features, g grou
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 
 from ember.ops import cuda_rtc
-
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "int4_gemv.cu"
 MAX_ROWS = 8  # activation rows: the mma's 8 columns
@@ -41,8 +38,6 @@ WHOLE_ROWS = True
 
 # Gate/up + SwiGLU (`silu_gate_up`): a block holds TW gate tiles and their TW up tiles, so 2 TW KW warps.
 GLU_CONFIGS = [(1, 2, 2), (1, 4, 2), (1, 4, 4), (2, 2, 2), (1, 8, 2), (2, 4, 2)]
-
-_FAILED: set[tuple[int, int]] = set()  # (device, steps a group) whose build failed (logged once)
 
 
 def _name(group_steps: int, config: tuple[int, int, int], split: bool, glu: bool = False) -> str:
@@ -94,17 +89,9 @@ def whole_rows(device: torch.device, group_size: int) -> bool:
 def kernels(device: torch.device, group_steps: int) -> dict | None:
     """The built kernels for `device` and groups of `group_steps` steps, or None where they cannot be built
     (logged once)."""
-    key = (cuda_rtc.device_index(device), group_steps)
-    if key in _FAILED:
-        return None
     names = [_name(group_steps, c, split) for c in CONFIGS for split in (False, True)]
     names += [_name(group_steps, c, False, glu=True) for c in GLU_CONFIGS]
-    try:
-        return cuda_rtc.load(SOURCE, names, device)
-    except cuda_rtc.CudaError as e:
-        log.warning("Ember's CUDA int4 GEMV could not be built (%s); the Triton kernel runs instead", e)
-        _FAILED.add(key)
-        return None
+    return cuda_rtc.load_or_none(SOURCE, names, device, "CUDA int4 GEMV")
 
 
 def gemv(
