@@ -21,12 +21,14 @@ from ember.ops import cuda_rtc
 SOURCE = Path(__file__).with_name("csrc") / "int4_gemv.cu"
 MAX_ROWS = 8  # activation rows: the mma's 8 columns
 GROUP_STEPS = (1, 2, 3, 4)  # steps of 64 k a group: group sizes 64-256
-# (TW, KW, DEPTH): TW tiles of 16 rows a block, KW warps a tile (each taking every KW-th group of the run),
-# DEPTH groups of weights a warp keeps in flight.
-CONFIGS = [
+# (TW, KW, DEPTH, LEAN): TW tiles of 16 rows a block, KW warps a tile (each taking every KW-th group of the
+# run), DEPTH groups of weights a warp keeps in flight; LEAN: the activations loaded where used (not a group
+# ahead) and at most 64 registers, so that 1024 threads fit a multiprocessor.
+_SHAPES = [
     *[(4, 1, 2), (8, 1, 2), (4, 1, 4), (2, 2, 2)],  # for short runs (K split over blocks)
     *[(2, 4, 2), (1, 4, 2), (1, 4, 4), (1, 8, 2), (1, 8, 4), (2, 8, 2), (1, 16, 2)],  # for long runs
 ]
+CONFIGS = [(*c, False) for c in _SHAPES] + [(*c, True) for c in _SHAPES if c[2] == 2]
 # Whether the tuner times these block shapes beside the Triton kernel's (tests/quant/test_cuda_int4.py passed
 # on an H100; BENCHMARKS.md, twenty-fourth session).
 OFFERED = True
@@ -37,12 +39,17 @@ OFFERED = True
 WHOLE_ROWS = True
 
 # Gate/up + SwiGLU (`silu_gate_up`): a block holds TW gate tiles and their TW up tiles, so 2 TW KW warps.
-GLU_CONFIGS = [(1, 2, 2), (1, 4, 2), (1, 4, 4), (2, 2, 2), (1, 8, 2), (2, 4, 2)]
+_GLU_SHAPES = [(2, 1, 2), (1, 2, 2), (1, 4, 2), (1, 4, 4), (2, 2, 2), (1, 8, 2), (2, 4, 2)]
+GLU_CONFIGS = [(*c, False) for c in _GLU_SHAPES] + [(*c, True) for c in _GLU_SHAPES if c[2] == 2]
+# LEAN spills registers to the stack past groups of 128 (ptxas, sm_90: 56-120 bytes at 192 and 256; 8-24 at 128)
+LEAN_MAX_STEPS = 2
+# Whether the tuner times the LEAN configurations too: not until they have passed the GPU tests and been timed.
+LEAN_OFFERED = False
 
 
-def _name(group_steps: int, config: tuple[int, int, int], split: bool, glu: bool = False) -> str:
-    tw, kw, depth = config
-    flags = ", ".join("true" if f else "false" for f in (split, glu))
+def _name(group_steps: int, config: tuple[int, int, int, bool], split: bool, glu: bool = False) -> str:
+    tw, kw, depth, lean = config
+    flags = ", ".join("true" if f else "false" for f in (lean, split, glu))
     return f"int4_mma_gemv<{group_steps}, {tw}, {kw}, {depth}, {flags}>"
 
 
@@ -66,10 +73,20 @@ def fits(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int
     )
 
 
-def configs(groups: int, split: int) -> list[tuple[int, int, int]]:
-    """The configurations worth timing for a row of `groups` groups cut into `split` runs: no warp of a tile
-    without a group of its own."""
-    return [c for c in CONFIGS if c[1] <= groups // split]
+def _built(pool: list, group_steps: int) -> list:
+    """The configurations of `pool` built for groups of `group_steps` steps: LEAN ones up to LEAN_MAX_STEPS."""
+    return [c for c in pool if not c[3] or group_steps <= LEAN_MAX_STEPS]
+
+
+def configs(
+    group_size: int, groups: int, split: int, glu: bool = False, lean: bool | None = None
+) -> list[tuple[int, int, int, bool]]:
+    """The configurations worth timing for rows of `groups` groups of `group_size` cut into `split` runs (with
+    glu, of a gate/up weight): no warp of a tile without a group of its own; LEAN ones where `lean` (default
+    LEAN_OFFERED) and built."""
+    lean = LEAN_OFFERED if lean is None else lean
+    pool = _built(GLU_CONFIGS if glu else CONFIGS, group_size // 64)
+    return [c for c in pool if c[1] <= groups // split and (lean or not c[3])]
 
 
 def whole_rows(device: torch.device, group_size: int) -> bool:
@@ -89,8 +106,8 @@ def whole_rows(device: torch.device, group_size: int) -> bool:
 def kernels(device: torch.device, group_steps: int) -> dict | None:
     """The built kernels for `device` and groups of `group_steps` steps, or None where they cannot be built
     (logged once)."""
-    names = [_name(group_steps, c, split) for c in CONFIGS for split in (False, True)]
-    names += [_name(group_steps, c, False, glu=True) for c in GLU_CONFIGS]
+    names = [_name(group_steps, c, split) for c in _built(CONFIGS, group_steps) for split in (False, True)]
+    names += [_name(group_steps, c, False, glu=True) for c in _built(GLU_CONFIGS, group_steps)]
     return cuda_rtc.load_or_none(SOURCE, names, device, "CUDA int4 GEMV")
 
 
@@ -100,7 +117,7 @@ def gemv(
     sz: torch.Tensor,
     y: torch.Tensor,
     group_size: int,
-    config: tuple[int, int, int],
+    config: tuple[int, int, int, bool],
     split: int,
     pdl: bool,
     glu: bool = False,
@@ -114,7 +131,7 @@ def gemv(
         raise cuda_rtc.CudaError("the CUDA int4 GEMV is not built")
     M, K = x.shape
     N = words.shape[0] // (2 if glu else 1)
-    tw, kw, _ = config
+    tw, kw = config[:2]
     grid = (-(-(N // 16) // tw), split)
     args = (x, words, sz, y, N, K, M)
     threads = tw * (2 if glu else 1) * kw * 32
@@ -131,10 +148,10 @@ def silu_gate_up(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_s
     y = torch.empty(M, words.shape[0] // 2, device=x.device, dtype=x.dtype)
     on = pdl(x.device)
 
-    def run(config: tuple[int, int, int], w: tuple[torch.Tensor, ...]) -> None:
+    def run(config: tuple[int, int, int, bool], w: tuple[torch.Tensor, ...]) -> None:
         gemv(x, w[0], w[1], y, group_size, config, 1, on, glu=True)
 
-    shapes = [c for c in GLU_CONFIGS if c[1] <= K // group_size]
+    shapes = configs(group_size, K // group_size, 1, glu=True)
     key = ("int4_glu", M, words.shape[0], K, group_size)
     run(tuning.pick(key, shapes, run, (words, sz)), (words, sz))
     return y

@@ -284,7 +284,7 @@ def int4_mma_gemv(
     if blocks is None:
         candidates = list(WARPS)
         if cuda:  # Ember's CUDA C++ kernel of the same layout and outputs (`ember.quant.cuda_int4`)
-            candidates += [{"CUDA": c} for c in cuda_int4.configs(K // group_size, split or 1)]
+            candidates += [{"CUDA": c} for c in cuda_int4.configs(group_size, K // group_size, split or 1)]
         blocks = tuning.pick(("int4_mma", M, N, K, group_size, split), candidates, run, (words, sz))
     run(blocks, (words, sz))
     return out

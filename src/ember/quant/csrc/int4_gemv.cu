@@ -21,6 +21,8 @@
 constexpr u32 NIBBLES = 0x000F000Fu;  // a register's two nibbles after a shift by 0, 4, 8 or 12
 constexpr u32 BIAS = 0x43004300u;     // under 128's exponent: the bf16 pair 128 + q
 constexpr u32 ONES = 0x3F803F80u;     // the bf16 pair (1, 1)
+// LEAN kernels ask ptxas for registers enough that 1024 threads fit a multiprocessor (64 each).
+#define MIN_BLOCKS(threads, lean) ((lean) && 1024 / (threads) > 0 ? 1024 / (threads) : 0)
 
 __device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -55,9 +57,10 @@ __device__ __forceinline__ void step(uint4 w, const uint4 (&x)[2], float (&C)[4]
 // groups blockIdx.y owns, every KW-th from w / (TW H). A group is GS steps (64 GS weights of a row).
 // Accumulator c of lane (g, q): row 16 tile + g + 8 (c / 2), activation row 2q + c % 2.
 // GLU: the weight is gate rows over up rows (2N of them) and y (M, N) = silu(gate) * up, each rounded where
-// the unfused bf16 ops round.
-template <int GS, int TW, int KW, int DEPTH, bool SPLIT, bool GLU>
-__global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32)
+// the unfused bf16 ops round. LEAN: a group's activations are loaded as it is multiplied (not one group
+// ahead), for fewer registers and so more warps a multiprocessor (a small projection is all ramp and tail).
+template <int GS, int TW, int KW, int DEPTH, bool LEAN, bool SPLIT, bool GLU>
+__global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * (GLU ? 2 : 1) * KW * 32, LEAN))
     int4_mma_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u32* __restrict__ sz,
                   void* __restrict__ y, int N, int K, int M) {
   static_assert(!(GLU && SPLIT), "a gate/up GEMV stores whole rows");
@@ -92,7 +95,7 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32)
   uint4 xc[GS][2];
 #pragma unroll
   for (int s = 0; s < GS; ++s) {
-    xc[s][0] = __ldg(xp + (min(first, top) * GS + s) * 8);
+    xc[s][0] = __ldg(xp + (min(first, top) * GS + s) * 8);  // LEAN: unused (the compiler drops them)
     xc[s][1] = __ldg(xp + (min(first, top) * GS + s) * 8 + 1);
   }
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -101,16 +104,17 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32)
     for (int d = 0; d < DEPTH; ++d) {
       const int j = j0 + d;
       if (j < n) {
-        const int next = first + min(j + 1, n - 1) * KW;  // the next group's activations, in flight now
+        // LEAN: this group's activations; else the next group's, in flight while this one is multiplied.
+        const int at = LEAN ? first + j * KW : first + min(j + 1, n - 1) * KW;
         uint4 xn[GS][2];
 #pragma unroll
         for (int s = 0; s < GS; ++s) {
-          xn[s][0] = __ldg(xp + (next * GS + s) * 8);
-          xn[s][1] = __ldg(xp + (next * GS + s) * 8 + 1);
+          xn[s][0] = __ldg(xp + (at * GS + s) * 8);
+          xn[s][1] = __ldg(xp + (at * GS + s) * 8 + 1);
         }
         float C[4] = {0.0f, 0.0f, 0.0f, 0.0f}, X[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int s = 0; s < GS; ++s) step(wb[d][s], xc[s], C, X);
+        for (int s = 0; s < GS; ++s) step(wb[d][s], LEAN ? xn[s] : xc[s], C, X);
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const u32 f = zb[d][c >> 1];
