@@ -43,8 +43,9 @@ _GLU_SHAPES = [(2, 1, 2), (1, 2, 2), (1, 4, 2), (1, 4, 4), (2, 2, 2), (1, 8, 2),
 GLU_CONFIGS = [(*c, False) for c in _GLU_SHAPES] + [(*c, True) for c in _GLU_SHAPES if c[2] == 2]
 # LEAN spills registers to the stack past groups of 128 (ptxas, sm_90: 56-120 bytes at 192 and 256; 8-24 at 128)
 LEAN_MAX_STEPS = 2
-# Whether the tuner times the LEAN configurations too: not until they have passed the GPU tests and been timed.
-LEAN_OFFERED = False
+# Whether the tuner times the LEAN configurations too (GPU tests passed on an H100; it took one for down, and
+# the int4-g128 step went 2086 -> 2060 us: BENCHMARKS.md, twenty-fourth session).
+LEAN_OFFERED = True
 
 
 def _name(group_steps: int, config: tuple[int, int, int, bool], split: bool, glu: bool = False) -> str:
