@@ -31,6 +31,15 @@ def test_a_clusters_chunks_cover_the_cache_in_whole_steps(config, S, D):
     assert chunk * (cluster - 1) < S or chunk == step  # no block is left a chunk wholly past the cache
 
 
+def test_the_default_block_shape_fits_shared_memory_at_every_head_dim_and_group():
+    # A shape the default does not fit would leave the op on the Triton kernel for that model.
+    for D in cuda_attention.HEAD_DIMS:
+        for G in range(1, cuda_attention.MAX_GROUP + 1):
+            warps, steps, cluster = cuda_attention.default_config(1024, D, G)
+            assert cuda_attention._shared_bytes(D, G, warps) <= cuda_attention.SHARED_BYTES, (D, G)
+            assert steps <= 4 or G <= 4, (D, G)  # 8 steps past 4 heads spill registers
+
+
 def test_cpu_tensors_are_not_taken():
     q = torch.zeros(1, 8, 128, dtype=torch.bfloat16)
     k = v = torch.zeros(1, 2, 128, dtype=torch.bfloat16)
