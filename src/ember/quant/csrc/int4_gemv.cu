@@ -21,7 +21,8 @@
 constexpr u32 NIBBLES = 0x000F000Fu;  // a register's two nibbles after a shift by 0, 4, 8 or 12
 constexpr u32 BIAS = 0x43004300u;     // under 128's exponent: the bf16 pair 128 + q
 constexpr u32 ONES = 0x3F803F80u;     // the bf16 pair (1, 1)
-// LEAN kernels ask ptxas for registers enough that 1024 threads fit a multiprocessor (64 each).
+// Blocks a multiprocessor must hold (__launch_bounds__): LEAN kernels, 1024 threads' worth (at most 64
+// registers a thread); the others leave the registers to ptxas (0).
 #define MIN_BLOCKS(threads, lean) ((lean) && 1024 / (threads) > 0 ? 1024 / (threads) : 0)
 
 __device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
