@@ -9,6 +9,7 @@ Shape legend: M rows of activations, K input features, N output features.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -30,13 +31,15 @@ def _name(dtype: torch.dtype, config: tuple[int, int, int], glu: bool) -> str:
     return f"int8_gemv<{_DTYPES[dtype]}, {r}, {u}, {w}, {'true' if glu else 'false'}>"
 
 
-def _all_names() -> list[str]:
-    return [
+@functools.cache
+def _all_names() -> tuple[str, ...]:
+    """Every instance built (named once: `kernels` runs on every launch)."""
+    return tuple(
         _name(dtype, c, glu)
         for dtype in _DTYPES
         for glu, configs in ((False, CONFIGS), (True, GLU_CONFIGS))
         for c in configs
-    ]
+    )
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> bool:
@@ -59,7 +62,7 @@ def fits(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> bool:
 
 def kernels(device: torch.device) -> dict | None:
     """The built kernels for `device`, or None where they cannot be built (logged once)."""
-    return cuda_rtc.load_or_none(SOURCE, _all_names(), device, "CUDA int8 GEMV")
+    return cuda_rtc.load_or_none(SOURCE, list(_all_names()), device, "CUDA int8 GEMV")
 
 
 def gemv(

@@ -12,6 +12,7 @@ Shape legend: M rows of activations, K input features, N output features, g grou
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -107,9 +108,14 @@ def whole_rows(device: torch.device, group_size: int) -> bool:
 def kernels(device: torch.device, group_steps: int) -> dict | None:
     """The built kernels for `device` and groups of `group_steps` steps, or None where they cannot be built
     (logged once)."""
+    return cuda_rtc.load_or_none(SOURCE, list(_names(group_steps)), device, "CUDA int4 GEMV")
+
+
+@functools.cache
+def _names(group_steps: int) -> tuple[str, ...]:
+    """Every instance built for groups of `group_steps` steps (named once: `kernels` runs on every launch)."""
     names = [_name(group_steps, c, split) for c in _built(CONFIGS, group_steps) for split in (False, True)]
-    names += [_name(group_steps, c, False, glu=True) for c in _built(GLU_CONFIGS, group_steps)]
-    return cuda_rtc.load_or_none(SOURCE, names, device, "CUDA int4 GEMV")
+    return (*names, *(_name(group_steps, c, False, glu=True) for c in _built(GLU_CONFIGS, group_steps)))
 
 
 def gemv(
