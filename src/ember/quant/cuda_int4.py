@@ -21,7 +21,7 @@ from ember.ops import cuda_rtc
 
 SOURCE = Path(__file__).with_name("csrc") / "int4_gemv.cu"
 MAX_ROWS = 8  # activation rows: the mma's 8 columns
-GROUP_STEPS = (1, 2, 3, 4)  # steps of 64 k a group: group sizes 64-256
+GROUP_STEPS = (1, 2, 4)  # steps of 64 k a group: the int4 module's group sizes of 64 and more
 # (TW, KW, DEPTH, LEAN): TW tiles of 16 rows a block, KW warps a tile (each taking every KW-th group of the
 # run), DEPTH groups of weights a warp keeps in flight; LEAN: the activations loaded where used (not a group
 # ahead) and at most 64 registers, so that 1024 threads fit a multiprocessor.
@@ -42,7 +42,7 @@ WHOLE_ROWS = True
 # Gate/up + SwiGLU (`silu_gate_up`): a block holds TW gate tiles and their TW up tiles, so 2 TW KW warps.
 _GLU_SHAPES = [(2, 1, 2), (1, 2, 2), (1, 4, 2), (1, 4, 4), (2, 2, 2), (1, 8, 2), (2, 4, 2)]
 GLU_CONFIGS = [(*c, False) for c in _GLU_SHAPES] + [(*c, True) for c in _GLU_SHAPES if c[2] == 2]
-# LEAN spills registers to the stack past groups of 128 (ptxas, sm_90: 56-120 bytes at 192 and 256; 8-24 at 128)
+# LEAN spills registers to the stack past groups of 128 (ptxas, sm_90: 112-120 bytes at 256; 8-24 at 128)
 LEAN_MAX_STEPS = 2
 # Whether the tuner times the LEAN configurations too (GPU tests passed on an H100; it took one for down, and
 # the int4-g128 step went 2086 -> 2060 us: BENCHMARKS.md, twenty-fourth session).
