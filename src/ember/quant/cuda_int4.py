@@ -61,8 +61,6 @@ def fits(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int
         x.is_cuda
         and x.dtype == torch.bfloat16
         and x.shape[0] <= MAX_ROWS
-        and group_size % 64 == 0
-        and group_size // 64 in GROUP_STEPS
         and words.dtype == torch.int32
         and sz.dtype == torch.int32
         and x.is_contiguous()
@@ -70,8 +68,21 @@ def fits(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int
         and sz.is_contiguous()
         and x.data_ptr() % 16 == 0
         and words.data_ptr() % 16 == 0
-        and torch.cuda.get_device_capability(x.device) >= (8, 0)
+        and _ready(cuda_rtc.device_index(x.device), group_size)
+    )
+
+
+@functools.cache
+def _ready(index: int, group_size: int) -> bool:
+    """Whether the kernels for groups of `group_size` run on CUDA device `index`: sm80+ (bf16 mma), NVRTC, the
+    build done (asked on every launch, so answered once)."""
+    device = torch.device("cuda", index)
+    return (
+        group_size % 64 == 0
+        and group_size // 64 in GROUP_STEPS
+        and torch.cuda.get_device_capability(device) >= (8, 0)
         and cuda_rtc.available()
+        and kernels(device, group_size // 64) is not None
     )
 
 
@@ -94,14 +105,7 @@ def configs(
 def whole_rows(device: torch.device, group_size: int) -> bool:
     """Whether decode GEMVs of this group size run whole rows of K on `device` (the kernel built and chosen)."""
     return (
-        OFFERED
-        and WHOLE_ROWS
-        and device.type == "cuda"
-        and group_size % 64 == 0
-        and group_size // 64 in GROUP_STEPS
-        and torch.cuda.get_device_capability(device) >= (8, 0)
-        and cuda_rtc.available()
-        and kernels(device, group_size // 64) is not None
+        OFFERED and WHOLE_ROWS and device.type == "cuda" and _ready(cuda_rtc.device_index(device), group_size)
     )
 
 
