@@ -107,6 +107,7 @@ def check(q, k, v, cos, sin, k_cache, v_cache, pos, window, config=None, prefetc
         (32, 8, 128, 128),  # Llama-3-8B: G = 4
         (9, 3, 64, 64),  # SmolLM2-135M: G = 3
         (4, 1, 256, 256),  # Gemma 3 270M: one kv head
+        (12, 2, 256, 256),  # G = 6 at D 256: the default's 4-warp shape (8 warps' shared memory does not fit)
         (14, 2, 64, 64),  # G = 7
         (16, 2, 128, 64),  # G = 8, partial rotary: dims 64..127 pass through
         (4, 4, 128, 32),  # no grouping
