@@ -13,7 +13,8 @@ up to the step exactly; an idle gap is charged to the kernel after it.
 The table gives, per kernel (template arguments kept, call arguments dropped): launches a step, marginal us a
 step, its share of the step, and its mean span (start to end, waiting included). Above it: the step time
 without the profiler, the profiled one (tracing costs a few percent), and the floor of reading the step's
-weights once at the copy bandwidth measured in the same process.
+weights once at the copy bandwidth measured in the same process; and the host's time a step (one more decode,
+untraced): enqueuing the step, and waiting for its token. A host that seldom waits bounds the step itself.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import collections
 import gc
 import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -71,7 +73,7 @@ def profile_config(config: str, args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from ember.bench import copy_bandwidth, random_model, weight_bytes_per_step
-    from ember.engine.generate import Generator
+    from ember.engine.generate import Generator, _TokenReader
     from ember.engine.sampler import SamplingParams
 
     device = torch.device("cuda")
@@ -88,8 +90,35 @@ def profile_config(config: str, args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
         return 1e6 / gen.timings.decode_tokens_per_s
 
+    def host_times() -> tuple[list[float], list[float]]:
+        """One decode's host time a step in `Generator._step` (guards, graph replay, argmax launch) and in
+        waiting for each token: a host that rarely waits is what bounds the step."""
+        enqueue, wait = [], []
+        step, read = gen._step, _TokenReader.read
+
+        def timed_step(*a, **k):
+            t = time.perf_counter()
+            out = step(*a, **k)
+            enqueue.append(1e6 * (time.perf_counter() - t))
+            return out
+
+        def timed_read(reader):
+            t = time.perf_counter()
+            out = read(reader)
+            wait.append(1e6 * (time.perf_counter() - t))
+            return out
+
+        gen._step, _TokenReader.read = timed_step, timed_read
+        try:
+            decode()
+        finally:
+            del gen._step
+            _TokenReader.read = read
+        return enqueue, wait
+
     start = time.perf_counter()
     plain = min(decode() for _ in range(args.warmup + 1))
+    enqueue, wait = host_times()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         decode()
     events = sorted(
@@ -115,6 +144,12 @@ def profile_config(config: str, args: argparse.Namespace) -> None:
         f"step {plain:.1f} us unprofiled, {total / steps:.1f} us profiled ({steps} steps); weights "
         f"{wbytes / 1e9:.2f} GB a step, at the copy bandwidth ({copy:.0f} GB/s) {floor:.1f} us = "
         f"{100 * floor / plain:.1f}% of the step\n"
+    )
+    q = statistics.quantiles
+    print(
+        f"host a step: {statistics.median(enqueue):.0f} us enqueuing it (p90 {q(enqueue, n=10)[-1]:.0f}: guards, "
+        f"graph replay, argmax), {statistics.median(wait):.0f} us waiting for a token (p10 {q(wait, n=10)[0]:.0f}); "
+        f"{sum(w < 50 for w in wait[1:])} of {len(wait) - 1} waits under 50 us (a host that does not wait is the bound)\n"
     )
     print("| kernel | a step | marginal us a step | share | mean span us |")
     print("| --- | ---: | ---: | ---: | ---: |")
