@@ -50,11 +50,12 @@ def short_name(name: str) -> str:
 def decode_window(events: list) -> tuple[list, int]:
     """The kernels (and copies) of the decode steps, in start order, and how many steps they hold.
 
-    The token of each step is copied to the host once (`ember.engine.generate._TokenReader`), so the GPU runs
-    prefill, copy of token 0, step 1, copy of token 1, ..., copy of token N - 1: between the first and the last
-    device-to-host copy lie exactly N - 1 whole steps.
+    The token of each step is copied to pinned host memory once (`ember.engine.generate._TokenReader`), so the
+    GPU runs prefill, copy of token 0, step 1, copy of token 1, ..., copy of token N - 1: between the first and
+    the last such copy lie exactly N - 1 whole steps (the one other read, of the prefill's finite check, goes
+    to pageable memory).
     """
-    copies = [i for i, e in enumerate(events) if "Memcpy DtoH" in e.name]
+    copies = [i for i, e in enumerate(events) if "Memcpy DtoH" in e.name and "Pinned" in e.name]
     if len(copies) < 2:
         raise SystemExit("the profile holds fewer than two token copies: no whole decode step to report")
     return events[copies[0] : copies[-1] + 1], len(copies) - 1
@@ -181,6 +182,10 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=20, help="kernels in the table")
     ap.add_argument("--sequence", type=int, default=0, help="also print this many kernels of a step in order")
     args = ap.parse_args()
+    if args.new < 3 or args.prompt < 1:
+        raise SystemExit(
+            f"--prompt {args.prompt} --new {args.new}: expected a prompt and at least 3 new tokens"
+        )
     if not torch.cuda.is_available():
         raise SystemExit("gpu_step_profile.py needs a CUDA GPU")
     for config in args.configs:
