@@ -97,13 +97,21 @@ def load_hf_dir(path: Path):
     )
 
 
-def tiny_random_model(monkeypatch, window: int | None = None):
-    """bench's random "tiny" Llama in float32 on CPU; with `window`, a Mistral of that sliding window."""
+def tiny_random_model(monkeypatch, window: int | None = None, experts: int = 0):
+    """bench's random "tiny" Llama in float32 on CPU; with `window`, a Mistral of that sliding window; with
+    `experts`, a Mixtral of that many routed experts, 2 a token."""
     from ember.bench import RANDOM_SHAPES, random_model
 
     shape = dict(RANDOM_SHAPES["tiny"])
     if window:
         shape.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=window)
+    if experts:
+        shape.update(
+            architectures=["MixtralForCausalLM"],
+            model_type="mixtral",
+            num_local_experts=experts,
+            num_experts_per_tok=2,
+        )
     monkeypatch.setitem(RANDOM_SHAPES, "tiny-test", shape)
     return random_model("tiny-test", device="cpu", dtype=torch.float32)
 

@@ -13,7 +13,7 @@ from ember.engine.aoti import AOTIDecodeStep
 from ember.engine.generate import Generator
 from ember.engine.sampler import SamplingParams
 from ember.quant import quantize_model
-from tests.conftest import assert_greedy
+from tests.conftest import assert_greedy, tiny_random_model
 
 CPU = torch.device("cpu")
 
@@ -51,6 +51,17 @@ def test_aoti_decode_matches_eager_and_is_reused(quantize, tmp_path, monkeypatch
         again = Generator(model, device=CPU, context=600, compile=True)
         assert greedy(again, prompt, 12) == expected
     assert "loaded" in caplog.text and "compiling" not in caplog.text
+
+
+@pytest.mark.slow
+def test_aoti_decode_of_a_mixture_of_experts_matches_eager(tmp_path, monkeypatch):
+    # The routed experts in the exported step: no host sync, and float32 (torch's grouped GEMM traces bf16 only).
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    model = tiny_random_model(monkeypatch, experts=4)
+    prompt = torch.randint(0, model.config.vocab_size, (7,)).tolist()
+    compiled = Generator(model, device=CPU, context=64, compile=True)
+    assert greedy(compiled, prompt, 12) == greedy(Generator(model, device=CPU, context=64), prompt, 12)
+    assert isinstance(compiled._decode, AOTIDecodeStep)
 
 
 @pytest.mark.slow

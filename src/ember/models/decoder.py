@@ -93,28 +93,36 @@ class MLP(nn.Module):
 
 
 def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
-    """Whether torch's grouped matmul runs here: a CPU fallback or bf16 on CUDA (sm80+), 16-byte aligned rows."""
+    """Whether torch's grouped matmul runs here: bf16 on CUDA (sm80+), any dtype eagerly on CPU (its fallback),
+    only bf16 when traced by torch.compile or export (its fake kernel takes nothing else); 16-byte aligned rows."""
     if not hasattr(F, "grouped_mm"):
         return False
     if x.device.type == "cuda":
         if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device) < (8, 0):
             return False
-    elif x.device.type != "cpu":
+    elif x.device.type != "cpu" or (torch.compiler.is_compiling() and x.dtype != torch.bfloat16):
         return False
     return all(
         w.shape[-1] * w.element_size() % 16 == 0 and w.shape[-2] * w.element_size() % 16 == 0 for w in weights
     )
 
 
-def expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, grouped: bool) -> torch.Tensor:
-    """x (P, in) rows sorted by expert, w (X, out, in), offsets (X,) int32 group ends -> (P, out).
+def expert_matmul(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, experts: torch.Tensor, grouped: bool
+) -> torch.Tensor:
+    """x (P, in) rows sorted by expert, w (X, out, in), offsets (X,) int32 group ends, experts (P,) each row's
+    expert -> (P, out).
 
-    Row p is multiplied by the weight of the expert whose group holds it: one grouped GEMM where torch has it,
-    else one matmul per expert over its rows (a loop over experts, never over tokens; it reads the group sizes
-    on the host, which a prefill can afford).
+    Row p is multiplied by the weight of the expert whose group holds it: one grouped GEMM where torch has it;
+    else, eagerly, one matmul per expert over its rows (a loop over experts, never over tokens; it reads the
+    group sizes on the host, which a prefill can afford); else, traced (a compiled step may not sync with the
+    host), each row against its expert's weight as one reduction that inductor fuses with the gather, so no
+    copy of the weights is made.
     """
     if grouped:
         return F.grouped_mm(x, w.transpose(1, 2), offs=offsets)
+    if torch.compiler.is_compiling():
+        return (x[:, None, :] * w[experts]).sum(-1)
     out = x.new_empty(x.shape[0], w.shape[1])
     start = 0
     for e, end in enumerate(offsets.tolist()):
@@ -160,9 +168,10 @@ class MoE(nn.Module):
         offsets = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)  # (X,)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         grouped = grouped_mm_supported(x, gate_up, down)
-        h = expert_matmul(x[token], gate_up, offsets, grouped)  # (N*k, 2I)
+        experts = flat[order]  # (N*k,) expert of each sorted pair
+        h = expert_matmul(x[token], gate_up, offsets, experts, grouped)  # (N*k, 2I)
         gate, up = h.chunk(2, dim=-1)
-        h = expert_matmul(self.act(gate) * up, down, offsets, grouped)  # (N*k, E)
+        h = expert_matmul(self.act(gate) * up, down, offsets, experts, grouped)  # (N*k, E)
         h = h * weights.reshape(-1)[order, None].to(h.dtype)
         out = torch.zeros_like(x).index_add_(0, token, h)  # (N, E): sum over each token's k experts
         return out.reshape(shape)
