@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -104,6 +105,14 @@ def check_fits(prompt_tokens: int, max_tokens: int | None, context: int, *, name
     return max_tokens
 
 
+def _own_code(method: Callable) -> Callable:
+    """A bound method over a copy of its function's code object: torch.compile's cache (its graphs, and the
+    recompiles counted against its limit) lives on the code object, so this one starts empty and goes with it."""
+    f = method.__func__
+    g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__, f.__closure__)
+    return types.MethodType(g, method.__self__)
+
+
 def _plain(params: SamplingParams) -> bool:
     """True when no penalty or bias changes the logits, so apply_penalties can be skipped."""
     return (
@@ -167,19 +176,30 @@ class Generator:
         self._try_aoti = compile and device.type == "cpu" and os.environ.get("EMBER_AOTI", "1") != "0"
         self._decode: StepFn = self._forward
         self._prefill: Callable[..., torch.Tensor] = self._forward_at
+        self._aoti = False  # whether `_decode` is the AOTInductor step
         if compile or compile_prefill:
             cheap_fallback_messages()  # older inductors format a message that can take minutes
-        if compile:
+        self.timings = Timings()
+
+    def _compile_steps(self) -> None:
+        """torch.compile's steps for the cache just made, each over a code object of its own (`_own_code`).
+
+        torch.compile keeps its graphs, and counts recompiles against a limit (8; past it, with fullgraph, an
+        error), per code object. A static cache length is part of the decode graph, so steps shared by every
+        generator of the process would fail at the ninth cache length or the ninth model; compiled afresh for
+        each cache, a step holds the graphs of one, and drops them with it.
+        """
+        mode = "reduce-overhead" if self.device.type == "cuda" else None
+        if self.compiled and not self._aoti:
             # CUDA graphs remove the launch overhead of a few hundred small kernels per step; on CPU
             # inductor's C++ kernels fuse the elementwise work between the matmuls.
-            mode = "reduce-overhead" if device.type == "cuda" else None
-            self._decode = torch.compile(self._forward, mode=mode, fullgraph=True, dynamic=False)
-        if compile_prefill:
+            self._decode = torch.compile(_own_code(self._forward), mode=mode, fullgraph=True, dynamic=False)
+        if self.compiled_prefill:
             # Only the token dimension varies (marked dynamic per call); head counts stay static ints. On CUDA
             # a CUDA graph per padded length.
-            mode = "reduce-overhead" if device.type == "cuda" else None
-            self._prefill = torch.compile(self._forward_at, mode=mode, fullgraph=True, dynamic=None)
-        self.timings = Timings()
+            self._prefill = torch.compile(
+                _own_code(self._forward_at), mode=mode, fullgraph=True, dynamic=None
+            )
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """tokens and positions (B, T) -> float32 logits of the last position (B, V)."""
@@ -211,6 +231,7 @@ class Generator:
             if self._try_aoti:
                 self._try_aoti = False  # one package serves every cache length: build or load it once
                 self._use_aoti(self.cache)
+            self._compile_steps()
         return self.cache
 
     def _use_aoti(self, cache: StaticKVCache) -> None:
@@ -219,6 +240,7 @@ class Generator:
 
         try:
             self._decode = load_decode_step(self.model, cache)
+            self._aoti = True
         except Exception as e:  # export, inductor and the C++ compiler fail in many ways; each is logged
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
             log.warning("AOTInductor decode step unavailable (%s); decoding with torch.compile", reason)
