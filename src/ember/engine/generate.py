@@ -4,8 +4,9 @@
 detokenization live in `ember.engine.output`.
 
 Speed notes (single-stream decode is bound by reading every weight once per step):
-- The decode step has static shapes (B=1, T=1, a fixed cache), so `compile=True` compiles it once and keeps
-  the compiled callable on this object. On CUDA torch.compile runs it as a CUDA graph ("reduce-overhead").
+- The decode step has static shapes (B=1, T=1, a fixed cache), so `compile=True` compiles it once per cache
+  length (caches grow in steps of CACHE_ROUNDING) and keeps the compiled callable on this object, over a code
+  object of its own (`_compile_steps` says why). On CUDA torch.compile runs it as a CUDA graph ("reduce-overhead").
   On CPU it is an AOTInductor package (`ember.engine.aoti`: C++ from end to end, no guards, compiled once
   per model shape and cached on disk); if that cannot be built, torch.compile's step, with a log line
   saying why. EMBER_AOTI=0 chooses torch.compile. `compile_prefill=True` compiles the prefill with dynamic
