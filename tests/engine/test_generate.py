@@ -39,14 +39,14 @@ def test_a_compiled_generator_outlives_torch_compiles_recompile_limit(monkeypatc
     # Each cache length is a graph of its own (static shapes). torch.compile counts recompiles per code object
     # and, with fullgraph, fails past its limit (8): a chat whose cache grew past 8 lengths (2048 tokens) did.
     monkeypatch.setenv("EMBER_AOTI", "0")
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     model = tiny_random_model(monkeypatch)
     compiled = Generator(model, device=torch.device("cpu"), context=1024, compile=True, compile_prefill=True)
     eager = Generator(model, device=torch.device("cpu"), context=1024)
-    for n in (40, 300, 560):  # caches of 256, 512 and 768 slots: past the limit of 2
-        prompt = torch.randint(0, model.config.vocab_size, (n,)).tolist()
-        assert greedy(compiled, prompt, 3) == greedy(eager, prompt, 3)
-        assert compiled.cache.max_seq_len == -(-(n + 3) // 256) * 256
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for n in (40, 300, 560):  # caches of 256, 512 and 768 slots: past the limit of 2
+            prompt = torch.randint(0, model.config.vocab_size, (n,)).tolist()
+            assert greedy(compiled, prompt, 3) == greedy(eager, prompt, 3)
+            assert compiled.cache.max_seq_len == -(-(n + 3) // 256) * 256
 
 
 @pytest.mark.parametrize("window", [None, 6])
