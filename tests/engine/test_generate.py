@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -42,11 +44,28 @@ def test_a_compiled_generator_outlives_torch_compiles_recompile_limit(monkeypatc
     model = tiny_random_model(monkeypatch)
     compiled = Generator(model, device=torch.device("cpu"), context=1024, compile=True, compile_prefill=True)
     eager = Generator(model, device=torch.device("cpu"), context=1024)
-    with torch._dynamo.config.patch(recompile_limit=2):
-        for n in (40, 300, 560):  # caches of 256, 512 and 768 slots: past the limit of 2
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for n in (40, 300, 560):  # caches of 256, 512 and 768 slots: past a limit of 1
             prompt = torch.randint(0, model.config.vocab_size, (n,)).tolist()
             assert greedy(compiled, prompt, 3) == greedy(eager, prompt, 3)
             assert compiled.cache.max_seq_len == -(-(n + 3) // 256) * 256
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs a CUDA GPU, with TRITON_INTERPRET=0",
+)
+def test_cuda_graph_decode_matches_eager_across_cache_lengths():
+    # The CUDA path of the test above: mode="reduce-overhead" (CUDA graphs), a step per cache length.
+    cuda = torch.device("cuda")
+    model = random_model("tiny", device=cuda, dtype=torch.float32)
+    compiled = Generator(model, device=cuda, context=1024, compile=True)
+    eager = Generator(model, device=cuda, context=1024)
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for n in (40, 300, 560):
+            prompt = torch.randint(0, model.config.vocab_size, (n,)).tolist()
+            assert greedy(compiled, prompt, 6) == greedy(eager, prompt, 6)
+            assert compiled.cache.max_seq_len == -(-(n + 6) // 256) * 256
 
 
 @pytest.mark.parametrize("window", [None, 6])
