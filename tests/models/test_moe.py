@@ -68,21 +68,22 @@ def test_moe_matches_per_token_reference(hidden, inter, tokens, norm):
 
 
 @torch.no_grad()
-def test_grouped_and_loop_paths_agree_with_empty_groups():
+def test_grouped_loop_and_traced_paths_agree_with_empty_groups():
     w = torch.randn(4, 16, 32)  # (X, out, in)
     x = torch.randn(10, 32)  # rows sorted by expert: 3 for expert 0, none for 1 and 3, 7 for expert 2
     offsets = torch.tensor([3, 3, 10, 10], dtype=torch.int32)
     expected = torch.cat([x[:3] @ w[0].T, x[3:] @ w[2].T])
-    experts = torch.tensor([0] * 3 + [2] * 7)
-    torch.testing.assert_close(expert_matmul(x, w, offsets, experts, grouped=False), expected)
+    torch.testing.assert_close(expert_matmul(x, w, offsets, grouped=False), expected)
+    experts = torch.tensor([0] * 3 + [2] * 7)  # the traced path's operand: each row's expert
+    torch.testing.assert_close(expert_matmul(x, w, offsets, grouped=False, experts=experts), expected)
     if hasattr(torch.nn.functional, "grouped_mm"):
-        torch.testing.assert_close(expert_matmul(x, w, offsets, experts, grouped=True), expected)
+        torch.testing.assert_close(expert_matmul(x, w, offsets, grouped=True), expected)
 
 
 @pytest.mark.parametrize("hidden,inter", [(64, 32), (18, 10)])
 @pytest.mark.parametrize("tokens", [1, 37])
 @torch.no_grad()
-def test_moe_compiled_whole_matches_per_token_reference(hidden, inter, tokens):
+def test_moe_compiled_fullgraph_matches_per_token_reference(hidden, inter, tokens):
     # A compiled step may not sync with the host (fullgraph), and torch's grouped GEMM traces in bf16 only:
     # float32 traced takes each row against its expert's weight instead of the eager per-expert loop.
     moe = _moe(hidden, inter, experts=8, top_k=2, norm=False)

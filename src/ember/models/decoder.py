@@ -108,20 +108,23 @@ def grouped_mm_supported(x: torch.Tensor, *weights: torch.Tensor) -> bool:
 
 
 def expert_matmul(
-    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, experts: torch.Tensor, grouped: bool
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offsets: torch.Tensor,
+    grouped: bool,
+    experts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x (P, in) rows sorted by expert, w (X, out, in), offsets (X,) int32 group ends, experts (P,) each row's
-    expert -> (P, out).
+    """x (P, in) rows sorted by expert, w (X, out, in), offsets (X,) int32 group ends -> (P, out).
 
     Row p is multiplied by the weight of the expert whose group holds it: one grouped GEMM where torch has it;
-    else, eagerly, one matmul per expert over its rows (a loop over experts, never over tokens; it reads the
-    group sizes on the host, which a prefill can afford); else, traced (a compiled step may not sync with the
-    host), each row against its expert's weight as one reduction that inductor fuses with the gather, so no
-    copy of the weights is made.
+    else, given `experts` (P,) (each row's expert: for a traced step, which may not sync with the host), each
+    row against its expert's weight as one reduction that inductor fuses with the gather, so no copy of the
+    weights is made; else one matmul per expert over its rows (a loop over experts, never over tokens; it
+    reads the group sizes on the host, which an eager step can afford).
     """
     if grouped:
         return F.grouped_mm(x, w.transpose(1, 2), offs=offsets)
-    if torch.compiler.is_compiling():
+    if experts is not None:
         return (x[:, None, :] * w[experts]).sum(-1)
     out = x.new_empty(x.shape[0], w.shape[1])
     start = 0
@@ -168,10 +171,11 @@ class MoE(nn.Module):
         offsets = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)  # (X,)
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         grouped = grouped_mm_supported(x, gate_up, down)
-        experts = flat[order]  # (N*k,) expert of each sorted pair
-        h = expert_matmul(x[token], gate_up, offsets, experts, grouped)  # (N*k, 2I)
+        # traced without the grouped GEMM: each sorted pair's expert, in place of the loop's host sync
+        experts = flat[order] if not grouped and torch.compiler.is_compiling() else None
+        h = expert_matmul(x[token], gate_up, offsets, grouped, experts)  # (N*k, 2I)
         gate, up = h.chunk(2, dim=-1)
-        h = expert_matmul(self.act(gate) * up, down, offsets, experts, grouped)  # (N*k, E)
+        h = expert_matmul(self.act(gate) * up, down, offsets, grouped, experts)  # (N*k, E)
         h = h * weights.reshape(-1)[order, None].to(h.dtype)
         out = torch.zeros_like(x).index_add_(0, token, h)  # (N, E): sum over each token's k experts
         return out.reshape(shape)
