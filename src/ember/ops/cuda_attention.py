@@ -48,7 +48,7 @@ def chunk_of(S: int, D: int, config: tuple[int, int, int]) -> int:
 
 
 def _shared_bytes(D: int, G: int, warps: int) -> int:
-    return 4 * (warps * G * D + 2 * warps * G + G * D + 2 * G)
+    return 4 * (warps * G * D + 2 * warps * G + G * D + 2 * G) + 2 * (G + 1) * D  # + the roped rows
 
 
 def _name(dtype: torch.dtype, D: int, G: int, config: tuple[int, int, int]) -> str:

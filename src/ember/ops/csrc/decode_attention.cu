@@ -12,6 +12,8 @@
 //   P steps of its cached keys and values before griddepcontrol.wait, then q, k and v once the qkv
 //   projection has completed (why those reads are safe: `ember.ops.triton_attention`'s notes; this step's
 //   slot is never read from memory, each row's new key and value are attended from registers);
+// - after the wait, q and k are roped once a block, into shared memory, by (G + 1) D / 8 of its threads
+//   (roped by every thread that holds them, rope's roundings were most of the path after the wait);
 // - exponentials in base 2, with scale * log2(e) folded into the roped query.
 // Rounding follows the reference: rope in the activation dtype (each product and the sum rounded), scores,
 // softmax and the output in float32, the output rounded once.
@@ -80,24 +82,20 @@ __device__ __forceinline__ void load_batch(uint4* kb, uint4* vb, const uint4* kc
   }
 }
 
-// Rope of 8 dims d0.. (x) with their partners (xp) in the activation dtype, as the reference rounds.
+// Rope of 8 dims (x) with their partners' (xp), in the activation dtype as the reference rounds: c and s are
+// cos and sin already rounded to it, s negated where the dims are in the first half. Returns the 8 results.
 template <bool BF16>
-__device__ __forceinline__ void rope8(uint4 xw, uint4 pw, const float* c, const float* s, bool rotates,
-                                      bool first_half, float* y) {
-  float x[8], xp[8];
+__device__ __forceinline__ uint4 rope8(uint4 xw, uint4 pw, const float* c, const float* s) {
+  float x[8], xp[8], y[8];
   unpack8<BF16>(xw, x);
   unpack8<BF16>(pw, xp);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    if (rotates) {
-      const float sr = first_half ? -round_to<BF16>(s[i]) : round_to<BF16>(s[i]);
-      const float a = round_to<BF16>(x[i] * round_to<BF16>(c[i]));
-      const float r = round_to<BF16>(xp[i] * sr);
-      y[i] = round_to<BF16>(a + r);
-    } else {
-      y[i] = x[i];
-    }
+    const float a = round_to<BF16>(x[i] * c[i]);
+    const float r = round_to<BF16>(xp[i] * s[i]);
+    y[i] = a + r;  // rounded by pack8
   }
+  return pack8<BF16>(y);
 }
 
 // Fold another (max, sum, acc) state in: m in base-2 logits; -inf max means nothing seen.
@@ -155,34 +153,38 @@ __global__ void __launch_bounds__(WARPS * 32)
   load_batch<TPS, P, SPB>(kb, vb, kc, vc, step0, steps, first, lo, hi);
   const bool rotates = d0 < rot, first_half = d0 < rot / 2;
   const int pd = !rotates ? d0 : first_half ? d0 + rot / 2 : d0 - rot / 2;
-  float c[8], s[8];
+  float c[8], s[8];  // rounded to the activation dtype; s negated in the first half (rotate_half's sign)
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    c[i] = rotates ? cos[(size_t)b * stride_cos + d0 + i] : 1.0f;
-    s[i] = rotates ? sin[(size_t)b * stride_cos + d0 + i] : 0.0f;
+  for (int i = 0; i < 8; ++i) {  // __ldcg: read before the wait (a plain const load may be moved after it)
+    c[i] = rotates ? round_to<BF16>(__ldcg(cos + (size_t)b * stride_cos + d0 + i)) : 1.0f;
+    const float si = rotates ? round_to<BF16>(__ldcg(sin + (size_t)b * stride_cos + d0 + i)) : 0.0f;
+    s[i] = first_half ? -si : si;
   }
   pdl_wait();
 
-  // This step's query rows (roped, then scaled into base-2 logits), key (roped, as stored) and value.
-  float qf[G][8], kf_new[8];
-  uint4 xw[G], pw[G];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const u16* row = q + (size_t)b * stride_q + (size_t)(h * G + g) * D;
-    xw[g] = __ldcg(reinterpret_cast<const uint4*>(row + d0));
-    pw[g] = __ldcg(reinterpret_cast<const uint4*>(row + pd));
+  // This step's query rows and key, roped once for the block: thread t ropes dims 8 (t % TPS).. of row t / TPS
+  // (the G query rows, then the key) into shared memory, where every thread reads the rows it needs. T is a
+  // multiple of TPS, so t % TPS is this thread's j and c, s, pd are its own.
+  __shared__ uint4 roped[(G + 1) * TPS];
+  const uint4 v_new = warp == 0
+                          ? __ldcg(reinterpret_cast<const uint4*>(vn + (size_t)b * stride_vn + (size_t)h * D + d0))
+                          : make_uint4(0, 0, 0, 0);  // attended and stored by warp 0 only
+  for (int t = threadIdx.x; t < (G + 1) * TPS; t += T) {
+    const int r = t / TPS;
+    const u16* row = r < G ? q + (size_t)b * stride_q + (size_t)(h * G + r) * D
+                           : kn + (size_t)b * stride_kn + (size_t)h * D;
+    const uint4 xw = __ldcg(reinterpret_cast<const uint4*>(row + d0));
+    roped[t] = rotates ? rope8<BF16>(xw, __ldcg(reinterpret_cast<const uint4*>(row + pd)), c, s) : xw;
   }
-  const u16* krow = kn + (size_t)b * stride_kn + (size_t)h * D;
-  const uint4 kx = __ldcg(reinterpret_cast<const uint4*>(krow + d0));
-  const uint4 kp = __ldcg(reinterpret_cast<const uint4*>(krow + pd));
-  const uint4 v_new = __ldcg(reinterpret_cast<const uint4*>(vn + (size_t)b * stride_vn + (size_t)h * D + d0));
+  __syncthreads();
+  float qf[G][8], kf_new[8];  // the query rows scaled into base-2 logits
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    rope8<BF16>(xw[g], pw[g], c, s, rotates, first_half, qf[g]);
+    unpack8<BF16>(roped[g * TPS + j], qf[g]);
 #pragma unroll
     for (int i = 0; i < 8; ++i) qf[g][i] *= scale_log2;
   }
-  rope8<BF16>(kx, kp, c, s, rotates, first_half, kf_new);
+  unpack8<BF16>(roped[G * TPS + j], kf_new);
 
   float m[G], l[G], acc[G][8];
 #pragma unroll
@@ -277,7 +279,7 @@ __global__ void __launch_bounds__(WARPS * 32)
         m[g] = mx;
       }
       const size_t slot = head + (size_t)pos * D + d0;
-      *reinterpret_cast<uint4*>(k_cache + slot) = pack8<BF16>(kf_new);
+      *reinterpret_cast<uint4*>(k_cache + slot) = roped[G * TPS + j];
       *reinterpret_cast<uint4*>(v_cache + slot) = v_new;
     }
   }
