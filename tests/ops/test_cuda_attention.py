@@ -36,7 +36,7 @@ def test_the_default_block_shape_fits_shared_memory_at_every_head_dim_and_group(
     for D in cuda_attention.HEAD_DIMS:
         for G in range(1, cuda_attention.MAX_GROUP + 1):
             warps, steps, cluster = cuda_attention.default_config(1024, D, G)
-            assert cuda_attention._shared_bytes(D, G, warps) <= cuda_attention.SHARED_BYTES, (D, G)
+            assert cuda_attention._shared_bytes(D, G, warps, cluster) <= cuda_attention.SHARED_BYTES, (D, G)
             assert steps <= 4 or G <= 4, (D, G)  # 8 steps past 4 heads spill registers
 
 

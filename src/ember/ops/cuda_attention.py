@@ -35,7 +35,7 @@ def default_config(S: int, D: int, G: int) -> tuple[int, int, int]:
     Llama-3-8B, S = 384-1024; BENCHMARKS.md); where 8 warps' shared memory does not fit (D 256 with G past
     5), 4 warps, the next fastest, of 8 steps up to G = 4. A thread holds 16 floats a query head besides
     2 x steps 16-byte loads: past G = 4, 8 steps spill registers to the stack (ptxas, sm_90), 4 do not."""
-    if _shared_bytes(D, G, 8) <= SHARED_BYTES:
+    if _shared_bytes(D, G, 8, 8) <= SHARED_BYTES:
         return 8, 4, 8
     return 4, 8 if G <= 4 else 4, 8
 
@@ -47,8 +47,11 @@ def chunk_of(S: int, D: int, config: tuple[int, int, int]) -> int:
     return math.ceil(math.ceil(S / cluster) / step) * step
 
 
-def _shared_bytes(D: int, G: int, warps: int) -> int:
-    return 4 * (warps * G * D + 2 * warps * G + G * D + 2 * G) + 2 * (G + 1) * D  # + the roped rows
+def _shared_bytes(D: int, G: int, warps: int, cluster: int) -> int:
+    """Static shared memory of a block: its warps' states, the cluster's partials of its share of the outputs,
+    their barrier, the roped q and k rows."""
+    share = math.ceil(G * D / cluster)
+    return 4 * (warps * G * D + 2 * warps * G) + 4 * cluster * (share + 2 * G) + 8 + 2 * (G + 1) * D
 
 
 def _name(dtype: torch.dtype, D: int, G: int, config: tuple[int, int, int]) -> str:
@@ -72,7 +75,7 @@ def fits(q, k, v, cos, sin, k_cache, v_cache, positions, config: tuple[int, int,
         and H == G * KV
         and rot % 16 == 0  # each thread's 8 dims rotate whole, with partners 8 dims apart
         and 0 < rot <= D
-        and _shared_bytes(D, G, config[0]) <= SHARED_BYTES
+        and _shared_bytes(D, G, config[0], config[2]) <= SHARED_BYTES
         and all(t.dtype == q.dtype and t.stride(-1) == 1 and t.stride(1) == D for t in rows)
         and all(t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 for t in rows)  # 16-byte loads
         and cos.dtype == sin.dtype == torch.float32

@@ -6,8 +6,9 @@
 // - the G = H / KV query heads of a kv head are one block's rows, so each cached key and value is read once;
 //   D / 8 threads hold one slot (8 dims, 16 bytes each), a warp 32 / (D / 8) slots at a time;
 // - a kv head's slots are split over a thread-block cluster of CL blocks; each block merges its warps'
-//   (max, sum, output) in shared memory, and the cluster's blocks merge theirs through distributed shared
-//   memory: no partials in global memory, no second kernel;
+//   (max, sum, output) in shared memory, then pushes each share of its outputs into the shared memory of the
+//   block that stores that share (st.async, counted in bytes by that block's mbarrier, set up before the
+//   wait): no partials in global memory, no second kernel, no cluster barrier after the wait;
 // - launched with programmatic dependent launch, a block reads the row's position, cos, sin and the first
 //   P steps of its cached keys and values before griddepcontrol.wait, then q, k and v once the qkv
 //   projection has completed (why those reads are safe: `ember.ops.triton_attention`'s notes; this step's
@@ -55,16 +56,49 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
-// A float of block `rank`'s shared memory, at the place of `p` in this block's.
-__device__ __forceinline__ float load_remote(const float* p, u32 rank) {
-  float v = 0.0f;
+// The shared-memory address of p, as a 32-bit shared::cta address.
+__device__ __forceinline__ u32 shared_address(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+
+// An mbarrier of one arrival (this thread's, now) that completes once `bytes` more have been stored into
+// this block's shared memory by st.async (`put`), from any block of the cluster.
+__device__ __forceinline__ void expect_bytes(u32 bar, u32 bytes) {
 #if __CUDA_ARCH__ >= 900
-  u32 local, remote;
-  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(local) : "l"(p));
-  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
+  asm volatile("{ .reg .b64 state; mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1; }" ::"r"(bar),
+               "r"(bytes)
+               : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 #endif
-  return v;
+}
+
+// Stores v at p's place in block `rank`'s shared memory, counted by that block's barrier at bar's place.
+__device__ __forceinline__ void put(const float* p, float v, u32 rank, u32 bar) {
+#if __CUDA_ARCH__ >= 900
+  u32 dst, dst_bar;
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(dst) : "r"(shared_address(p)), "r"(rank));
+  asm("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(dst_bar) : "r"(bar), "r"(rank));
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(dst),
+               "r"(__float_as_uint(v)), "r"(dst_bar)
+               : "memory");
+#endif
+}
+
+// Waits for the barrier's first phase: every byte it expects stored and visible.
+__device__ __forceinline__ void wait_bytes(u32 bar) {
+#if __CUDA_ARCH__ >= 900
+  u32 done = 0;
+  while (!done) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(bar)
+        : "memory");
+  }
+#endif
 }
 
 // Slot p of a batch (P steps of SPB slots): its keys' and values' 16 bytes for dims 8j..8j+7, or zeros where
@@ -159,6 +193,16 @@ __global__ void __launch_bounds__(WARPS * 32)
     c[i] = rotates ? round_to<BF16>(__ldcg(cos + (size_t)b * stride_cos + d0 + i)) : 1.0f;
     const float si = rotates ? round_to<BF16>(__ldcg(sin + (size_t)b * stride_cos + d0 + i)) : 0.0f;
     s[i] = first_half ? -si : si;
+  }
+  // With a cluster, each block merges and stores a share of the outputs, PER of them, from the partials the
+  // cluster's blocks push into its shared memory (their arrival counted in bytes by `bar`).
+  constexpr int PER = (G * D + CL - 1) / CL;
+  __shared__ float part_acc[CL][PER];  // the blocks' partial outputs of this block's share (CL 1: all of its own)
+  __shared__ float part_ml[CL][2 * G];  // and their (max, sum) of each query head
+  __shared__ unsigned long long bar;
+  if (CL > 1) {
+    if (threadIdx.x == 0) expect_bytes(shared_address(&bar), CL * (min(PER, G * D - split * PER) + 2 * G) * 4);
+    cluster_sync();  // every block's barrier is set before any partial is pushed
   }
   pdl_wait();
 
@@ -299,8 +343,6 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
   __shared__ float4 warp_acc[WARPS][G][D / 4];
   __shared__ float warp_m[WARPS][G], warp_l[WARPS][G];
-  __shared__ float block_acc[G * D];
-  __shared__ float block_m[G], block_l[G];
   if (sub == 0) {
 #pragma unroll
     for (int g = 0; g < G; ++g) {
@@ -327,46 +369,43 @@ __global__ void __launch_bounds__(WARPS * 32)
       sum = fmaf(warp_l[w][g], f, sum);
       a = fmaf(wacc[w * G * D + e], f, a);
     }
-    block_acc[e] = a;
+    const int r = e / PER;  // the block of the cluster whose share holds e
+    if (CL == 1) {
+      part_acc[0][e] = a;
+    } else {
+      put(&part_acc[split][e - r * PER], a, r, shared_address(&bar));
+    }
     if (e % D == 0) {
-      block_m[g] = mx;
-      block_l[g] = sum;
+      for (int to = 0; to < CL; ++to) {
+        if (CL == 1) {
+          part_ml[0][g] = mx;
+          part_ml[0][G + g] = sum;
+        } else {
+          put(&part_ml[split][g], mx, to, shared_address(&bar));
+          put(&part_ml[split][G + g], sum, to, shared_address(&bar));
+        }
+      }
     }
   }
   if (CL == 1)
     __syncthreads();
   else
-    cluster_sync();
+    wait_bytes(shared_address(&bar));
 
-  // This block's share of the outputs, from every block of the cluster (the owner's state is finite).
-  constexpr int PER = (G * D + CL - 1) / CL;
+  // This block's share of the outputs, merged over the cluster's blocks (the owner's state is finite).
   const int e_end = min((split + 1) * PER, G * D);
   for (int e = split * PER + threadIdx.x; e < e_end; e += T) {
     const int g = e / D;
-    float rm[CL], rl[CL], ra[CL];
+    float mx = part_ml[0][g];
 #pragma unroll
-    for (int r = 0; r < CL; ++r) {
-      if (CL == 1) {
-        rm[r] = block_m[g];
-        rl[r] = block_l[g];
-        ra[r] = block_acc[e];
-      } else {
-        rm[r] = load_remote(&block_m[g], r);
-        rl[r] = load_remote(&block_l[g], r);
-        ra[r] = load_remote(&block_acc[e], r);
-      }
-    }
-    float mx = rm[0];
-#pragma unroll
-    for (int r = 1; r < CL; ++r) mx = fmaxf(mx, rm[r]);
+    for (int r = 1; r < CL; ++r) mx = fmaxf(mx, part_ml[r][g]);
     float sum = 0.0f, a = 0.0f;
 #pragma unroll
     for (int r = 0; r < CL; ++r) {
-      const float f = exp2f(rm[r] - mx);
-      sum = fmaf(rl[r], f, sum);
-      a = fmaf(ra[r], f, a);
+      const float f = exp2f(part_ml[r][g] - mx);
+      sum = fmaf(part_ml[r][G + g], f, sum);
+      a = fmaf(part_acc[r][e - split * PER], f, a);
     }
     out[((size_t)bh * G + g) * D + e % D] = from_f32<BF16>(a / sum);
   }
-  if (CL > 1) cluster_sync();  // no block leaves while another may still read its shared memory
 }
