@@ -22,6 +22,9 @@
 #include "ember_cuda.cuh"
 
 #define NEG_INF __int_as_float(0xff800000u)  // -inf: no slot seen yet
+#ifndef STAMP  // points of a block's path that `benchmarks/gpu_attention_stamps.py` times (nothing here)
+#define STAMP(point)
+#endif
 
 // The 8 16-bit values of a 16-byte word as floats, and back.
 template <bool BF16>
@@ -160,6 +163,7 @@ __global__ void __launch_bounds__(WARPS * 32)
                      const u16* v_next, int stride_q, int stride_kn, int stride_vn, int stride_cos, int S, int KV,
                      int window, int rot, int chunk, int prefetch, float scale_log2) {
   pdl_launch_dependents();
+  STAMP(0);
   constexpr int TPS = D / 8;  // threads a slot
   constexpr int SPW = 32 / TPS;  // slots a warp a step
   constexpr int SPB = WARPS * SPW;  // slots a block a step
@@ -205,6 +209,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     cluster_sync();  // every block's barrier is set before any partial is pushed
   }
   pdl_wait();
+  STAMP(1);
 
   // This step's query rows and key, roped once for the block: thread t ropes dims 8 (t % TPS).. of row t / TPS
   // (the G query rows, then the key) into shared memory, where every thread reads the rows it needs. T is a
@@ -229,6 +234,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     for (int i = 0; i < 8; ++i) qf[g][i] *= scale_log2;
   }
   unpack8<BF16>(roped[G * TPS + j], kf_new);
+  STAMP(2);
 
   float m[G], l[G], acc[G][8];
 #pragma unroll
@@ -297,6 +303,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
   }
 
+  STAMP(3);
   // The row's own key and value, in the block whose chunk holds the position: stored, and attended by the
   // first slot group of warp 0.
   const bool owner = pos / chunk == split;
@@ -328,6 +335,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
   }
 
+  STAMP(4);
   // The warp's slot groups, then the block's warps, then the cluster's blocks.
 #pragma unroll
   for (int o = TPS; o < 32; o <<= 1) {
@@ -387,10 +395,12 @@ __global__ void __launch_bounds__(WARPS * 32)
       }
     }
   }
+  STAMP(5);
   if (CL == 1)
     __syncthreads();
   else
     wait_bytes(shared_address(&bar));
+  STAMP(6);
 
   // This block's share of the outputs, merged over the cluster's blocks (the owner's state is finite).
   const int e_end = min((split + 1) * PER, G * D);
@@ -408,4 +418,5 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
     out[((size_t)bh * G + g) * D + e % D] = from_f32<BF16>(a / sum);
   }
+  STAMP(7);
 }
