@@ -33,7 +33,7 @@ def default_config(S: int, D: int, G: int) -> tuple[int, int, int]:
     """(warps a block, steps of slots each thread keeps loading, blocks a cluster) for S slots of head dim D
     and G query heads a kv head: 8 warps of 4 steps, the fastest of nine shapes at every S timed (H100,
     Llama-3-8B, S = 384-1024; BENCHMARKS.md); where 8 warps' shared memory does not fit (D 256 with G past
-    5), 4 warps, the next fastest, of 8 steps up to G = 4. A thread holds 16 floats a query head besides
+    4), 4 warps, the next fastest, of 8 steps up to G = 4. A thread holds 16 floats a query head besides
     2 x steps 16-byte loads: past G = 4, 8 steps spill registers to the stack (ptxas, sm_90), 4 do not."""
     if _shared_bytes(D, G, 8, 8) <= SHARED_BYTES:
         return 8, 4, 8

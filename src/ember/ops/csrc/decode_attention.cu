@@ -14,7 +14,7 @@
 //   projection has completed (why those reads are safe: `ember.ops.triton_attention`'s notes; this step's
 //   slot is never read from memory, each row's new key and value are attended from registers);
 // - after the wait, q and k are roped once a block, into shared memory, by (G + 1) D / 8 of its threads
-//   (roped by every thread that holds them, rope's roundings were most of the path after the wait);
+//   (every thread roping the rows it holds, 16 times a row at D 128, was most of the path after the wait);
 // - exponentials in base 2, with scale * log2(e) folded into the roped query.
 // Rounding follows the reference: rope in the activation dtype (each product and the sum rounded), scores,
 // softmax and the output in float32, the output rounded once.
