@@ -2,7 +2,7 @@
 
 The kernel (`src/ember/ops/csrc/decode_attention.cu`) marks eight points of a block's path with `STAMP(i)`,
 empty there. This script builds a copy in which thread 0 of each block writes `clock64` and `%globaltimer` at
-each point into the `k_next` argument (a buffer here; the L2 prefetch that argument feeds is off), and runs it
+each point into the `k_next` argument (a buffer here; the L2 prefetch it would feed is off), and runs it
 as the int4 step does: a CUDA graph of 32 Llama-3-8B layers, each the int4 qkv GEMV (CUDA, whole rows) and
 then attention at S cache slots, the row at position P.
 
@@ -18,7 +18,6 @@ the path after the wait (BENCHMARKS.md).
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import tempfile
@@ -49,7 +48,7 @@ def main() -> None:
     ap.add_argument("--qkv", type=int, nargs=3, default=(1, 8, 2), help="the qkv GEMV's TW KW DEPTH")
     args = ap.parse_args()
 
-    from ember.ops import cuda_attention, cuda_rtc, launch
+    from ember.ops import cuda_attention, launch
     from ember.quant import cuda_int4
 
     L, H, K, D, S = 32, 32, 8, 128, args.slots
@@ -63,34 +62,33 @@ def main() -> None:
               for _ in range(L)]  # fmt: skip
     cos, sin = torch.rand(1, D, device=dev), torch.rand(1, D, device=dev)
     pos = torch.tensor([args.position], device=dev)
-    outs = [torch.empty(1, H, D, device=dev, dtype=bf) for _ in range(L)]
     blocks = K * config[2]
     stamps = torch.zeros(L, blocks * 16, device=dev, dtype=torch.int64)
     pdl = launch.pdl(dev)
-    chunk = cuda_attention.chunk_of(S, D, config)
     stamped = Path(tempfile.mkdtemp()) / "decode_attention_stamped.cu"
     stamped.write_text(STAMP + cuda_attention.SOURCE.read_text())
 
     def gemv(i: int) -> None:
         cuda_int4.gemv(x, *ws[i % L], ys[i % L], 128, qkv_config, 1, pdl)
 
-    def layer(fn, stamp: bool):
+    def layer(stamp: bool):
         def call(i: int) -> None:
             gemv(i)
             q, k, v = (t.view(1, -1, D) for t in ys[i % L].split([H * D, K * D, K * D], dim=-1))
+            # stamped: the stamps go where the next layer's caches would (the prefetch they feed is off)
             nxt = (stamps[i % L], stamps[i % L]) if stamp else caches[(i + 1) % L]
-            scale = float(D**-0.5 * math.log2(math.e))
-            args_ = (q, k, v, cos, sin, *caches[i % L], pos, outs[i % L], *nxt, q.stride(0), k.stride(0),
-                     v.stride(0), cos.stride(0), S, K, 0, D, chunk, int(not stamp and 256 < S <= 512), scale)  # fmt: skip
-            cuda_rtc.launch(fn, blocks, config[0] * 32, args_, dev, pdl=pdl, cluster=config[2])
+            out = cuda_attention.decode_attention(
+                q, k, v, cos, sin, *caches[i % L], pos, D**-0.5, 0, *nxt, config=config,
+                prefetch=False if stamp else None, source=stamped if stamp else cuda_attention.SOURCE,
+            )  # fmt: skip
+            if out is None:
+                raise SystemExit("the CUDA decode attention could not be built on this GPU")
 
         return call
 
-    name = cuda_attention._name(bf, D, H // K, config)
     alone = timed_graph(gemv, L)
-    for label, path, stamp in (("plain", cuda_attention.SOURCE, False), ("stamped", stamped, True)):
-        fn = cuda_rtc.load(path, [name], dev)[name]
-        t = timed_graph(layer(fn, stamp), L)
+    for label, stamp in (("plain", False), ("stamped", True)):
+        t = timed_graph(layer(stamp), L)
         print(f"{label}: S {S}, position {args.position}, attention {config}, qkv {qkv_config}: layer "
               f"{t * 1e6:.2f} us, qkv alone {alone * 1e6:.2f}, attention {(t - alone) * 1e6:.2f}")  # fmt: skip
 

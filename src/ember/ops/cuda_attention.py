@@ -92,8 +92,10 @@ def fits(q, k, v, cos, sin, k_cache, v_cache, positions, config: tuple[int, int,
     )
 
 
-def _kernel(dtype: torch.dtype, D: int, G: int, config: tuple[int, int, int], device: torch.device):
-    fns = cuda_rtc.load_or_none(SOURCE, [_name(dtype, D, G, config)], device, "CUDA decode attention")
+def _kernel(
+    dtype: torch.dtype, D: int, G: int, config: tuple[int, int, int], device: torch.device, source: Path
+):
+    fns = cuda_rtc.load_or_none(source, [_name(dtype, D, G, config)], device, "CUDA decode attention")
     return None if fns is None else fns[_name(dtype, D, G, config)]
 
 
@@ -114,17 +116,18 @@ def decode_attention(
     config: tuple[int, int, int] | None = None,
     prefetch: bool | None = None,
     pdl: bool | None = None,
+    source: Path = SOURCE,
 ) -> torch.Tensor | None:
     """`ember.ops.triton_attention.decode_attention`'s function: rope on q (B, H, D) and k (B, K, D), k and v
     stored at `positions` (B,, int64) in the caches (B, K, S, D), attention -> (B, H, D); None where the
     kernel cannot be built (the caller runs the Triton kernel). Operands as `fits` requires. k_next, v_next:
     the next layer's caches, pulled into L2 when `prefetch` (default: 256 < S <= 512, as measured for the
-    Triton kernel)."""
+    Triton kernel); the kernel reads nothing else of them. source: the kernel's CUDA file (a benchmark's copy)."""
     B, H, D = q.shape
     KV, S = k_cache.shape[1], k_cache.shape[2]
     G = H // KV
     config = config or default_config(S, D, G)
-    fn = _kernel(q.dtype, D, G, config, q.device)
+    fn = _kernel(q.dtype, D, G, config, q.device, source)
     if fn is None:
         return None
     if prefetch is None:
@@ -140,7 +143,7 @@ def decode_attention(
     chunk = chunk_of(S, D, config)
     args = (
         q, k, v, cos, sin, k_cache, v_cache, positions, out,
-        k_next if prefetch else k_cache, v_next if prefetch else v_cache,
+        k_cache if k_next is None else k_next, v_cache if v_next is None else v_next,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), S, KV, window, cos.shape[-1], chunk,
         int(prefetch), float(scale * math.log2(math.e)),
     )  # fmt: skip

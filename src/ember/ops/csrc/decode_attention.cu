@@ -204,8 +204,9 @@ __global__ void __launch_bounds__(WARPS * 32)
   __shared__ float part_acc[CL][PER];  // the blocks' partial outputs of this block's share (CL 1: all of its own)
   __shared__ float part_ml[CL][2 * G];  // and their (max, sum) of each query head
   __shared__ unsigned long long bar;
+  const u32 bar_at = shared_address(&bar);
   if (CL > 1) {
-    if (threadIdx.x == 0) expect_bytes(shared_address(&bar), CL * (min(PER, G * D - split * PER) + 2 * G) * 4);
+    if (threadIdx.x == 0) expect_bytes(bar_at, CL * (min(PER, G * D - split * PER) + 2 * G) * 4);
     cluster_sync();  // every block's barrier is set before any partial is pushed
   }
   pdl_wait();
@@ -377,20 +378,19 @@ __global__ void __launch_bounds__(WARPS * 32)
       sum = fmaf(warp_l[w][g], f, sum);
       a = fmaf(wacc[w * G * D + e], f, a);
     }
-    const int r = e / PER;  // the block of the cluster whose share holds e
     if (CL == 1) {
       part_acc[0][e] = a;
+      if (e % D == 0) {
+        part_ml[0][g] = mx;
+        part_ml[0][G + g] = sum;
+      }
     } else {
-      put(&part_acc[split][e - r * PER], a, r, shared_address(&bar));
-    }
-    if (e % D == 0) {
-      for (int to = 0; to < CL; ++to) {
-        if (CL == 1) {
-          part_ml[0][g] = mx;
-          part_ml[0][G + g] = sum;
-        } else {
-          put(&part_ml[split][g], mx, to, shared_address(&bar));
-          put(&part_ml[split][G + g], sum, to, shared_address(&bar));
+      const int r = e / PER;  // the block of the cluster whose share holds e
+      put(&part_acc[split][e - r * PER], a, r, bar_at);
+      if (e % D == 0) {  // every block merges some of head g's outputs, or may: each gets its (max, sum)
+        for (int to = 0; to < CL; ++to) {
+          put(&part_ml[split][g], mx, to, bar_at);
+          put(&part_ml[split][G + g], sum, to, bar_at);
         }
       }
     }
@@ -399,7 +399,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   if (CL == 1)
     __syncthreads();
   else
-    wait_bytes(shared_address(&bar));
+    wait_bytes(bar_at);
   STAMP(6);
 
   // This block's share of the outputs, merged over the cluster's blocks (the owner's state is finite).
