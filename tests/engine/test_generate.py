@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ember.bench import random_model
+from ember.engine import generate
 from ember.engine.generate import Generator, prefill_length
 from ember.engine.sampler import SamplingParams
 from ember.quant import quantize_model
@@ -55,17 +56,30 @@ def test_a_compiled_generator_outlives_torch_compiles_recompile_limit(monkeypatc
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
     reason="needs a CUDA GPU, with TRITON_INTERPRET=0",
 )
-def test_cuda_graph_decode_matches_eager_across_cache_lengths():
-    # The CUDA path of the test above: mode="reduce-overhead" (CUDA graphs), a step per cache length.
+@pytest.mark.parametrize("own_graph", [True, False])
+def test_cuda_graph_decode_matches_eager_across_cache_lengths(own_graph, monkeypatch):
+    # The CUDA path of the test above: the step captured in Ember's DecodeGraph (or torch.compile's
+    # "reduce-overhead" graph), a step per cache length; greedy tokens picked inside the graph, and tokens
+    # picked outside it (a penalty, log-probabilities), each as the eager step picks them.
+    monkeypatch.setattr(generate, "OWN_GRAPH", own_graph)
     cuda = torch.device("cuda")
     model = random_model("tiny", device=cuda, dtype=torch.float32)
     compiled = Generator(model, device=cuda, context=1024, compile=True)
     eager = Generator(model, device=cuda, context=1024)
+    outside = SamplingParams(max_tokens=6, temperature=0, repetition_penalty=1.5, logprobs=2, ignore_eos=True)
     with torch._dynamo.config.patch(recompile_limit=1):
-        for n in (40, 300, 560):
+        for n, slots in ((40, 256), (300, 512), (560, 768), (41, 768)):  # a cache only grows
             prompt = torch.randint(0, model.config.vocab_size, (n,)).tolist()
             assert greedy(compiled, prompt, 6) == greedy(eager, prompt, 6)
-            assert compiled.cache.max_seq_len == -(-(n + 6) // 256) * 256
+            assert compiled.cache.max_seq_len == slots
+            ours = list(compiled.generate(prompt, outside, (), None))
+            theirs = list(eager.generate(prompt, outside, (), None))
+            assert [s.token_id for s in ours] == [s.token_id for s in theirs]
+            for a, b in zip(ours, theirs, strict=True):
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+                assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
+            assert greedy(compiled, prompt[:-1], 3) == greedy(eager, prompt[:-1], 3)  # back in the graph
+    assert (compiled._graph is not None) == own_graph
 
 
 @pytest.mark.parametrize("window", [None, 6])

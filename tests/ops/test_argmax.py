@@ -1,8 +1,10 @@
-"""The split argmax (two Triton kernels, in Triton's interpreter) against torch.argmax: ties, NaN, -inf rows."""
+"""The split argmax (two Triton kernels) against torch.argmax: ties, NaN, -inf rows. In Triton's interpreter on
+a CPU; compiled, on the GPU, where a run sets TRITON_INTERPRET=0."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -10,6 +12,7 @@ import torch
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("triton") is None, reason="needs triton (runs in its interpreter)"
 )
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -27,5 +30,8 @@ def test_split_argmax_matches_torch(dtype):
     x[5, 999] = 60.0  # the last element
     want = x.argmax(dim=-1)
     assert want.tolist()[1:] == [517, 130, 700, 0, 999]
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        pytest.skip("compiled Triton needs a CUDA GPU (TRITON_INTERPRET=0)")
+    x = x.to(DEVICE)
     assert split_argmax(x, block=128).tolist() == want.tolist()
     assert split_argmax(x[:, :640], block=128).tolist() == x[:, :640].argmax(dim=-1).tolist()  # strided rows

@@ -6,7 +6,9 @@ detokenization live in `ember.engine.output`.
 Speed notes (single-stream decode is bound by reading every weight once per step):
 - The decode step has static shapes (B=1, T=1, a fixed cache), so `compile=True` compiles it once per cache
   length (caches grow in steps of CACHE_ROUNDING) and keeps the compiled callable on this object, over a code
-  object of its own (`_compile_steps` says why). On CUDA torch.compile runs it as a CUDA graph ("reduce-overhead").
+  object of its own (`_compile_steps` says why). On CUDA the compiled step is captured in a CUDA graph of
+  Ember's own (`DecodeGraph`), which also advances the position and, for plain greedy decoding, writes the
+  argmax back as the next step's input: a step is one replay.
   On CPU it is an AOTInductor package (`ember.engine.aoti`: C++ from end to end, no guards, compiled once
   per model shape and cached on disk); if that cannot be built, torch.compile's step, with a log line
   saying why. EMBER_AOTI=0 chooses torch.compile. `compile_prefill=True` compiles the prefill with dynamic
@@ -49,6 +51,11 @@ log = logging.getLogger(__name__)
 CACHE_ROUNDING = 256  # cache lengths are rounded up so that similar requests reuse one cache (and one graph)
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, StaticKVCache], torch.Tensor]
+
+# Whether compiled CUDA decoding replays Ember's own graph (`DecodeGraph`) rather than torch.compile's
+# "reduce-overhead" one: same tokens; GPU time a step 0.0-0.7% less for Llama-3-8B, host time a step 3-4 us
+# against 300-480 (BENCHMARKS.md, twenty-seventh session).
+OWN_GRAPH = True
 
 
 def prefill_length(tokens: int, slots: int) -> int:
@@ -147,6 +154,61 @@ class _TokenReader:
         return int(self.token)
 
 
+class DecodeGraph:
+    """The compiled decode step of one cache as CUDA graphs of Ember's own, over inputs at fixed addresses.
+
+    torch.compile's "reduce-overhead" replays a CUDA graph too, but its host path a step (guards over every
+    weight, the graph tree's checks of its inputs' addresses) took 0.3-0.75 ms of host time for Llama-3-8B
+    (H100, H200), over a third of an int4 step's GPU time, and around each replay the GPU ran four small
+    kernels outside the graph (the token copied in, the argmax, the position advanced). Here a step is one
+    replay, 3-4 us of host time: the graph reads `token` and `positions`, advances `positions`, and, for plain
+    greedy decoding, writes the argmax into `token`, so the next replay takes it from there.
+
+    Two graphs at most, made on first use and sharing one memory pool (they never run at once): `logits`
+    (the step's logits, for a sampler on the host side) and `greedy` (the next token).
+    """
+
+    def __init__(self, step: StepFn, cache: StaticKVCache, device: torch.device) -> None:
+        self.step = step
+        self.cache = cache
+        self.token = torch.zeros(1, dtype=torch.int64, device=device)  # (B,)
+        self.positions = torch.zeros(1, 1, dtype=torch.int64, device=device)  # (B, T)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[bool, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def run(self, greedy: bool) -> torch.Tensor:
+        """One step at `positions` (then advanced) from `token`: greedy, the next token (`token` itself, (B,));
+        else the logits (B, V), valid until the next replay."""
+        if greedy not in self.graphs:
+            self.graphs[greedy] = self._capture(greedy)
+        graph, out = self.graphs[greedy]
+        graph.replay()
+        return out
+
+    def _logits(self) -> torch.Tensor:
+        return self.step(self.token.view(1, 1), self.positions, self.cache)
+
+    def _capture(self, greedy: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Warm-up runs first, outside the capture: the first call compiles, and Ember's kernels time their block
+        # shapes on it. Each runs this very step (the inputs are the replay's), so the keys and values it writes
+        # are the ones the replay writes again; it neither advances the position nor changes the token.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                argmax(self._logits())
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a server's other threads may use CUDA while the engine thread captures.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = self._logits()
+            self.positions.add_(1)
+            if greedy:
+                self.token.copy_(argmax(out))
+                out = self.token
+        return graph, out
+
+
 class Generator:
     def __init__(
         self,
@@ -178,6 +240,9 @@ class Generator:
         self._decode: StepFn = self._forward
         self._prefill: Callable[..., torch.Tensor] = self._forward_at
         self._aoti = False  # whether `_decode` is the AOTInductor step
+        # CUDA decode replays a graph of Ember's own (made per cache in `_cache_for`).
+        self._own_graph = compile and device.type == "cuda" and OWN_GRAPH
+        self._graph: DecodeGraph | None = None
         if compile or compile_prefill:
             cheap_fallback_messages()  # older inductors format a message that can take minutes
         self.timings = Timings()
@@ -192,9 +257,13 @@ class Generator:
         """
         mode = "reduce-overhead" if self.device.type == "cuda" else None
         if self.compiled and not self._aoti:
-            # CUDA graphs remove the launch overhead of a few hundred small kernels per step; on CPU
-            # inductor's C++ kernels fuse the elementwise work between the matmuls.
-            self._decode = torch.compile(_own_code(self._forward), mode=mode, fullgraph=True, dynamic=False)
+            # CUDA graphs remove the launch overhead of a few hundred small kernels per step (Ember's own
+            # `DecodeGraph`, or torch.compile's); on CPU inductor's C++ kernels fuse the elementwise work between
+            # the matmuls.
+            decode_mode = None if self._own_graph else mode
+            self._decode = torch.compile(
+                _own_code(self._forward), mode=decode_mode, fullgraph=True, dynamic=False
+            )
         if self.compiled_prefill:
             # Only the token dimension varies (marked dynamic per call); head counts stay static ints. On CUDA
             # a CUDA graph per padded length.
@@ -226,13 +295,16 @@ class Generator:
                 prompts_from_start=True,  # `_run_prefill` runs whole prompts from position 0
             )
             if (self.compiled and self.device.type == "cuda") or self._prefill_graphs:
-                # Static addresses let the CUDA graphs write the cache in place instead of copying it.
+                # Static addresses let torch.compile's CUDA graphs write the cache in place instead of copying it.
                 for t in self.cache.k + self.cache.v:
                     torch._dynamo.mark_static_address(t)
             if self._try_aoti:
                 self._try_aoti = False  # one package serves every cache length: build or load it once
                 self._use_aoti(self.cache)
+            self._graph = None  # the old cache's graphs go with it
             self._compile_steps()
+            if self._own_graph:
+                self._graph = DecodeGraph(self._decode, self.cache, self.device)
         return self.cache
 
     def _use_aoti(self, cache: StaticKVCache) -> None:
@@ -260,7 +332,7 @@ class Generator:
         return self._prefill(tokens, positions, cache, torch.tensor([T - 1], device=self.device))
 
     def _run_decode(self, token: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
-        if self.compiled and self.device.type == "cuda":
+        if self.compiled and self.device.type == "cuda":  # torch.compile's graph (OWN_GRAPH off)
             # Each replay reuses the graph's output memory; we are done with the previous logits by now.
             torch.compiler.cudagraph_mark_step_begin()
         return self._decode(token.view(1, 1), positions, cache)
@@ -280,6 +352,8 @@ class Generator:
         gen = generator if generator is not None else make_generator(params.seed, self.device)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))
         plain = _plain(params)
+        # Plain greedy decoding without log-probabilities: the decode graph picks the token itself.
+        in_graph = plain and params.greedy and params.logprobs is None
         seen = counts = None
         if not plain:
             seen = torch.zeros(1, V, dtype=torch.bool, device=self.device)
@@ -304,7 +378,10 @@ class Generator:
         logits = self._run_prefill(prompt, cache)
         finite = torch.isfinite(logits).all()  # read with the first token (no sync of its own)
         token, extra = pick(logits)
-        step_pos = torch.tensor([[len(prompt)]], device=self.device)  # (1, 1), advanced in place
+        if self._graph is not None:
+            step_pos = self._graph.positions.fill_(len(prompt))  # (1, 1), advanced by each replay
+        else:
+            step_pos = torch.tensor([[len(prompt)]], device=self.device)  # (1, 1), advanced in place
         decode_start = start
         # On CUDA the next step is queued before waiting for this token; on CPU there is nothing to overlap,
         # so the token is read first and the time to first token holds no decode step.
@@ -313,7 +390,7 @@ class Generator:
             reader.start(token)
             more = i < budget - 1
             if overlap and more:  # if token i ends the request, the queued step is wasted
-                next_token, next_extra = self._step(pick, token, step_pos, cache, seen, counts)
+                next_token, next_extra = self._step(pick, token, step_pos, cache, seen, counts, in_graph)
             token_id = reader.read()  # the one host sync per step: the caller needs the token to stream it
             now = time.perf_counter()
             if i == 0:
@@ -342,7 +419,7 @@ class Generator:
                     "cache, so finish (or close) one stream before starting the next"
                 )
             if not overlap:
-                next_token, next_extra = self._step(pick, token, step_pos, cache, seen, counts)
+                next_token, next_extra = self._step(pick, token, step_pos, cache, seen, counts, in_graph)
             token, extra = next_token, next_extra
 
     def _step(
@@ -353,11 +430,20 @@ class Generator:
         cache: StaticKVCache,
         seen: torch.Tensor | None,
         counts: torch.Tensor | None,
+        in_graph: bool,
     ) -> tuple:
-        """Records `token` as seen, runs one decode step at `step_pos` and picks the next token; no sync."""
+        """Records `token` as seen, runs one decode step at `step_pos` and picks the next token (in the decode
+        graph where `in_graph` and there is one); no sync."""
         if seen is not None and counts is not None:
             seen[0].index_fill_(0, token, True)
             counts[0].index_add_(0, token, torch.ones_like(token, dtype=torch.int32))
-        out = pick(self._run_decode(token, step_pos, cache))
-        step_pos += 1
-        return out
+        graph = self._graph
+        if graph is None:
+            out = pick(self._run_decode(token, step_pos, cache))
+            step_pos += 1
+            return out
+        if token is not graph.token:  # the prefill's token, or one picked outside the graph
+            graph.token.copy_(token)
+        if in_graph:
+            return graph.run(greedy=True), None
+        return pick(graph.run(greedy=False))
