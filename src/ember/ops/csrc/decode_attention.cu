@@ -12,7 +12,9 @@
 // - launched with programmatic dependent launch, a block reads the row's position, cos, sin and the first
 //   P steps of its cached keys and values before griddepcontrol.wait, then q, k and v once the qkv
 //   projection has completed (why those reads are safe: `ember.ops.triton_attention`'s notes; this step's
-//   slot is never read from memory, each row's new key and value are attended from registers);
+//   slot is never read from memory, each row's new key and value are attended from registers). cos and sin
+//   are rounded after the wait: while the qkv GEMV streams its weights a load takes microseconds, and blocks
+//   that waited on theirs before the wait (and the cluster barrier on the slowest of them) left it late;
 // - after the wait, q and k are roped once a block, into shared memory, by (G + 1) D / 8 of its threads
 //   (every thread roping the rows it holds, 16 times a row at D 128, was most of the path after the wait);
 // - exponentials in base 2, with scale * log2(e) folded into the roped query.
@@ -57,6 +59,14 @@ __device__ __forceinline__ void cluster_sync() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 #endif
+}
+
+// A load issued here and used later: asm volatile keeps it before griddepcontrol.wait (the compiler moves
+// plain read-only loads past it), and nothing waits for it until its value is used.
+__device__ __forceinline__ float load_early(const float* p) {
+  float r;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+  return r;
 }
 
 // The shared-memory address of p, as a 32-bit shared::cta address.
@@ -172,6 +182,15 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int sub = lane / TPS, j = lane % TPS, d0 = 8 * j;
   const int bh = blockIdx.x / CL, split = blockIdx.x % CL;  // split is the block's rank in its cluster
   const int b = bh / KV, h = bh % KV;
+  const bool rotates = d0 < rot, first_half = d0 < rot / 2;
+  float c[8], s[8];  // read now; after the wait rounded to the activation dtype, s negated in the first half
+  if (rotates) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      c[i] = load_early(cos + (size_t)b * stride_cos + d0 + i);
+      s[i] = load_early(sin + (size_t)b * stride_cos + d0 + i);
+    }
+  }
   const int pos = (int)positions[b];
   const int start = split * chunk;
   const int lo = window > 0 ? max(start, pos - window + 1) : start;
@@ -189,15 +208,7 @@ __global__ void __launch_bounds__(WARPS * 32)
 
   uint4 kb[P], vb[P];
   load_batch<TPS, P, SPB>(kb, vb, kc, vc, step0, steps, first, lo, hi);
-  const bool rotates = d0 < rot, first_half = d0 < rot / 2;
   const int pd = !rotates ? d0 : first_half ? d0 + rot / 2 : d0 - rot / 2;
-  float c[8], s[8];  // rounded to the activation dtype; s negated in the first half (rotate_half's sign)
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {  // __ldcg: read before the wait (a plain const load may be moved after it)
-    c[i] = rotates ? round_to<BF16>(__ldcg(cos + (size_t)b * stride_cos + d0 + i)) : 1.0f;
-    const float si = rotates ? round_to<BF16>(__ldcg(sin + (size_t)b * stride_cos + d0 + i)) : 0.0f;
-    s[i] = first_half ? -si : si;
-  }
   // With a cluster, each block merges and stores a share of the outputs, PER of them, from the partials the
   // cluster's blocks push into its shared memory (their arrival counted in bytes by `bar`).
   constexpr int PER = (G * D + CL - 1) / CL;
@@ -211,6 +222,12 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
   pdl_wait();
   STAMP(1);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float si = rotates ? round_to<BF16>(s[i]) : 0.0f;
+    c[i] = rotates ? round_to<BF16>(c[i]) : 1.0f;
+    s[i] = first_half ? -si : si;
+  }
 
   // This step's query rows and key, roped once for the block: thread t ropes dims 8 (t % TPS).. of row t / TPS
   // (the G query rows, then the key) into shared memory, where every thread reads the rows it needs. T is a
