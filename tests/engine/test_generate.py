@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -80,6 +81,32 @@ def test_cuda_graph_decode_matches_eager_across_cache_lengths(own_graph, monkeyp
                 assert [t for t, _ in a.top_logprobs] == [t for t, _ in b.top_logprobs]
             assert greedy(compiled, prompt[:-1], 3) == greedy(eager, prompt[:-1], 3)  # back in the graph
     assert (compiled._graph is not None) == own_graph
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="needs a CUDA GPU, with TRITON_INTERPRET=0",
+)
+def test_a_step_no_cuda_graph_can_hold_decodes_with_torch_compiles_graphs(monkeypatch, caplog):
+    # A step that syncs with the host cannot be captured: the generation goes on (torch.compile's
+    # "reduce-overhead" runs what it can), gives the eager step's tokens, and says why in one log line.
+    real = generate.DecodeGraph._logits
+
+    def syncing(self):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # no graph can hold a host sync
+        return real(self)
+
+    monkeypatch.setattr(generate.DecodeGraph, "_logits", syncing)
+    cuda = torch.device("cuda")
+    model = random_model("tiny", device=cuda, dtype=torch.float32)
+    compiled = Generator(model, device=cuda, context=256, compile=True)
+    eager = Generator(model, device=cuda, context=256)
+    prompt = torch.randint(0, model.config.vocab_size, (20,)).tolist()
+    with caplog.at_level(logging.WARNING, logger="ember.engine.generate"):
+        assert greedy(compiled, prompt, 6) == greedy(eager, prompt, 6)
+    assert "not captured in a CUDA graph" in caplog.text and compiled._graph is None
+    assert greedy(compiled, prompt[:-3], 6) == greedy(eager, prompt[:-3], 6)
 
 
 @pytest.mark.parametrize("window", [None, 6])

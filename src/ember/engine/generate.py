@@ -154,6 +154,10 @@ class _TokenReader:
         return int(self.token)
 
 
+class CaptureError(RuntimeError):
+    """The decode step could not be captured in a CUDA graph (it syncs with the host, say)."""
+
+
 class DecodeGraph:
     """The compiled decode step of one cache as CUDA graphs of Ember's own, over inputs at fixed addresses.
 
@@ -199,13 +203,17 @@ class DecodeGraph:
                 argmax(self._logits())
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a server's other threads may use CUDA while the engine thread captures.
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._logits()
-            self.positions.add_(1)
-            if greedy:
-                self.token.copy_(argmax(out))
-                out = self.token
+        try:
+            # thread_local: a server's other threads may use CUDA while the engine thread captures.
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = self._logits()
+                self.positions.add_(1)  # recorded, not run: a failed capture leaves the position as it was
+                if greedy:
+                    self.token.copy_(argmax(out))
+                    out = self.token
+        except Exception as e:  # whatever the step does that a graph cannot hold (a host sync, a CPU op)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise CaptureError(f"{type(e).__name__}: {first}") from e
         return graph, out
 
 
@@ -257,19 +265,20 @@ class Generator:
         """
         mode = "reduce-overhead" if self.device.type == "cuda" else None
         if self.compiled and not self._aoti:
-            # CUDA graphs remove the launch overhead of a few hundred small kernels per step (Ember's own
-            # `DecodeGraph`, or torch.compile's); on CPU inductor's C++ kernels fuse the elementwise work between
-            # the matmuls.
-            decode_mode = None if self._own_graph else mode
-            self._decode = torch.compile(
-                _own_code(self._forward), mode=decode_mode, fullgraph=True, dynamic=False
-            )
+            self._compile_decode()
         if self.compiled_prefill:
             # Only the token dimension varies (marked dynamic per call); head counts stay static ints. On CUDA
             # a CUDA graph per padded length.
             self._prefill = torch.compile(
                 _own_code(self._forward_at), mode=mode, fullgraph=True, dynamic=None
             )
+
+    def _compile_decode(self) -> None:
+        # CUDA graphs remove the launch overhead of a few hundred small kernels per step (Ember's own
+        # `DecodeGraph`, or torch.compile's "reduce-overhead"); on CPU inductor's C++ kernels fuse the
+        # elementwise work between the matmuls.
+        mode = "reduce-overhead" if self.device.type == "cuda" and not self._own_graph else None
+        self._decode = torch.compile(_own_code(self._forward), mode=mode, fullgraph=True, dynamic=False)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """tokens and positions (B, T) -> float32 logits of the last position (B, V)."""
@@ -438,12 +447,15 @@ class Generator:
             seen[0].index_fill_(0, token, True)
             counts[0].index_add_(0, token, torch.ones_like(token, dtype=torch.int32))
         graph = self._graph
-        if graph is None:
-            out = pick(self._run_decode(token, step_pos, cache))
-            step_pos += 1
-            return out
-        if token is not graph.token:  # the prefill's token, or one picked outside the graph
-            graph.token.copy_(token)
-        if in_graph:
-            return graph.run(greedy=True), None
-        return pick(graph.run(greedy=False))
+        if graph is not None:
+            if token is not graph.token:  # the prefill's token, or one picked outside the graph
+                graph.token.copy_(token)
+            try:
+                return (graph.run(greedy=True), None) if in_graph else pick(graph.run(greedy=False))
+            except CaptureError as e:  # torch.compile's graphs run what they can and the rest eagerly
+                log.warning("decode step not captured in a CUDA graph (%s); using torch.compile's graphs", e)
+                self._graph, self._own_graph = None, False
+                self._compile_decode()
+        out = pick(self._run_decode(token, step_pos, cache))
+        step_pos += 1
+        return out
