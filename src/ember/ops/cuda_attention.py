@@ -116,18 +116,19 @@ def decode_attention(
     config: tuple[int, int, int] | None = None,
     prefetch: bool | None = None,
     pdl: bool | None = None,
-    source: Path = SOURCE,
+    source: Path | None = None,
 ) -> torch.Tensor | None:
     """`ember.ops.triton_attention.decode_attention`'s function: rope on q (B, H, D) and k (B, K, D), k and v
     stored at `positions` (B,, int64) in the caches (B, K, S, D), attention -> (B, H, D); None where the
     kernel cannot be built (the caller runs the Triton kernel). Operands as `fits` requires. k_next, v_next:
     the next layer's caches, pulled into L2 when `prefetch` (default: 256 < S <= 512, as measured for the
-    Triton kernel); the kernel reads nothing else of them. source: the kernel's CUDA file (a benchmark's copy)."""
+    Triton kernel); the kernel reads nothing else of them. source: the kernel's CUDA file (default: SOURCE, read
+    at each call, so a benchmark may point the module at a candidate)."""
     B, H, D = q.shape
     KV, S = k_cache.shape[1], k_cache.shape[2]
     G = H // KV
     config = config or default_config(S, D, G)
-    fn = _kernel(q.dtype, D, G, config, q.device, source)
+    fn = _kernel(q.dtype, D, G, config, q.device, source or SOURCE)
     if fn is None:
         return None
     if prefetch is None:

@@ -1,0 +1,126 @@
+"""Whole decode steps under two builds of Ember's CUDA kernels, side by side in one process (for kernel work).
+
+An arm is a set of kernel sources: decode attention, the int4 GEMV and the int8 GEMV (the modules' `SOURCE`,
+read at each launch). The baseline arm takes them from a git revision (`--baseline`, default HEAD); the
+candidate arm from the working tree, or from the files given (`--attention`, `--int4`, `--int8`). Both arms
+decode one random-weight model (Llama-3-8B shape unless `--shape`), each through a Generator of its own,
+whose decode graph is captured with its arm's kernels; the timed runs alternate between the arms, so slow
+drifts of the machine fall on both. The GEMV tuner picks block shapes once per shape in the process, so the
+arms share its picks and differ only in their kernels' text. Steps are timed as `ember bench` times them
+(128-token prompt, 256 tokens, compiled); the table gives each arm's median step, the change, and whether
+the arms gave the same greedy tokens (a kernel that rounds differently may not).
+
+    python benchmarks/gpu_step_ab.py --configs int4 int8                    # working tree against HEAD
+    python benchmarks/gpu_step_ab.py --baseline HEAD~1 --configs int4       # what the last commit changed
+    python benchmarks/gpu_step_ab.py --attention /tmp/candidate.cu          # one candidate file
+
+Kernels include `ember_cuda.cuh` as it is in the working tree, for both arms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+KERNELS = {  # arm key: (module holding SOURCE, the file in the repository)
+    "attention": ("ember.ops.cuda_attention", "src/ember/ops/csrc/decode_attention.cu"),
+    "int4": ("ember.quant.cuda_int4", "src/ember/quant/csrc/int4_gemv.cu"),
+    "int8": ("ember.quant.cuda_gemv", "src/ember/quant/csrc/int8_gemv.cu"),
+}
+
+
+def sources_at(rev: str, into: Path) -> dict[str, Path]:
+    """Each kernel's source as it is at git revision `rev`, written under `into`."""
+    out = {}
+    for key, (_, path) in KERNELS.items():
+        text = subprocess.run(
+            ["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
+        out[key] = into / f"{key}-{rev.replace('/', '_')}.cu"
+        out[key].write_text(text)
+    return out
+
+
+def use(sources: dict[str, Path]) -> None:
+    """Point each kernel module at the arm's source (a new path is built on first use)."""
+    for key, (module, _) in KERNELS.items():
+        importlib.import_module(module).SOURCE = sources[key]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="*", default=["int4", "int8"], help="bf16, int8, int4, int4-gN")
+    ap.add_argument("--shape", default="llama-3-8b", help="a random-weight shape of `ember bench`")
+    ap.add_argument("--baseline", default="HEAD", help="git revision of the baseline arm's kernels")
+    for key in KERNELS:
+        ap.add_argument(
+            f"--{key}", type=Path, help=f"the candidate's {key} kernel (default: the working tree's)"
+        )
+    ap.add_argument("--runs", type=int, default=7, help="timed runs an arm (after 2 warm-ups)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu_step_ab.py needs a CUDA GPU")
+
+    from ember.bench import random_model
+    from ember.engine.generate import Generator
+    from ember.engine.sampler import SamplingParams
+
+    tmp = Path(tempfile.mkdtemp(prefix="ember-ab-"))
+    arms = {
+        "baseline": sources_at(args.baseline, tmp),
+        "candidate": {key: getattr(args, key) or ROOT / path for key, (_, path) in KERNELS.items()},
+    }
+    dev = torch.device("cuda")
+    params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
+    print(
+        f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}; baseline {args.baseline}", flush=True
+    )
+    rows = []
+    for config in args.configs:
+        quantize = None if config == "bf16" else config
+        model = random_model(args.shape, device=dev, dtype=torch.bfloat16, quantize=quantize)
+        prompt = torch.randint(0, model.config.vocab_size, (128,), generator=torch.Generator().manual_seed(0))
+        prompt = prompt.tolist()
+        gens, tokens, steps = {}, {}, {arm: [] for arm in arms}
+        for arm, sources in arms.items():
+            use(sources)
+            gens[arm] = Generator(model, device=dev, context=384, compile=True)
+            for _ in range(2):  # the first captures the decode graph with this arm's kernels
+                tokens[arm] = [s.token_id for s in gens[arm].generate(prompt, params, (), None)]
+        for r in range(args.runs):
+            for arm in list(arms)[:: 1 if r % 2 else -1]:
+                use(arms[arm])  # the prefill runs outside the graph
+                for _ in gens[arm].generate(prompt, params, (), None):
+                    pass
+                t = gens[arm].timings
+                steps[arm].append(1e6 * t.decode_s / t.decode_steps)
+        base, cand = (statistics.median(steps[arm]) for arm in arms)
+        rows.append((config, base, cand, tokens["baseline"] == tokens["candidate"]))
+        print(
+            f"{config}: baseline {sorted(round(s, 1) for s in steps['baseline'])}, "
+            f"candidate {sorted(round(s, 1) for s in steps['candidate'])}",
+            flush=True,
+        )
+        del gens, model
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    print(f"\n| {args.shape} | baseline step | candidate step | change | same tokens |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    for config, base, cand, same in rows:
+        print(
+            f"| {config} | {base:.1f} us | {cand:.1f} us | {100 * (cand / base - 1):+.2f}% | {'yes' if same else 'no'} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
