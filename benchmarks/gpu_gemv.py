@@ -170,7 +170,7 @@ def configs_for(kind: str, N: int, K: int) -> list[dict]:
             {"CUDA": list(c), "SPLIT": d}
             for d in sorted({1, 2, 4, auto})
             if groups % d == 0
-            for c in cuda_int4.configs(GROUP, groups, d, lean=True)
+            for c in cuda_int4.configs(GROUP, groups, d, lean=True, asynchronous=True)
         ]
     if kind == "int4mma":  # warps per program x runs of K's groups (float32 partials, unsummed)
         groups = K // GROUP

@@ -46,3 +46,5 @@ def test_a_failed_build_is_logged_once_and_not_tried_again(monkeypatch, caplog):
     ]
     assert cuda_rtc.load_or_none(source, ["k<1>"], torch.device("cuda", 1), "CUDA int4 GEMV") is None
     assert len(calls) == 2  # another device is tried
+    assert cuda_rtc.load_or_none(source, ["k<2>"], device, "CUDA int4 GEMV (ASYNC)") is None
+    assert len(calls) == 3  # and another set of the source's kernels (a build of its own)

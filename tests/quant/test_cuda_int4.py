@@ -22,12 +22,16 @@ def test_no_block_shape_gives_a_tiles_warp_no_group_and_lean_ones_stop_where_the
     for group in (64, 128, 256):
         for groups, split in ((32, 16), (32, 1), (112, 16), (8, 4), (4, 1), (1, 1)):
             for glu in (False, True):
-                shapes = cuda_int4.configs(group, groups, split, glu, lean=True)
+                shapes = cuda_int4.configs(group, groups, split, glu, lean=True, asynchronous=True)
                 assert shapes and all(kw <= groups // split for _, kw, *_ in shapes)
-                assert any(lean for *_, lean in shapes) == (group // 64 <= cuda_int4.LEAN_MAX_STEPS)
+                assert any(c[3] for c in shapes) == (group // 64 <= cuda_int4.LEAN_MAX_STEPS)
+                assert not any(c[3] and c[4] for c in shapes)  # LEAN's registers or ASYNC's shared memory
+                for c in shapes:  # an ASYNC ring within the shared memory a block may declare
+                    assert cuda_int4._shared_bytes(group // 64, c, glu) <= cuda_int4.ASYNC_SHARED
                 offered = cuda_int4.configs(group, groups, split, glu)
                 built = group // 64 <= cuda_int4.LEAN_MAX_STEPS
-                assert offered and any(lean for *_, lean in offered) == (cuda_int4.LEAN_OFFERED and built)
+                assert offered and any(c[3] for c in offered) == (cuda_int4.LEAN_OFFERED and built)
+                assert cuda_int4.ASYNC_OFFERED or not any(c[4] for c in offered)
 
 
 def test_the_gate_up_op_off_cuda_is_swiglu_of_the_dequantized_weights():
@@ -80,7 +84,7 @@ def test_every_block_shape_and_split_against_float_math(group):
         x[:, 5] = 30.0
         ref = x.float() @ w.T
         for split in (1, 2, 3, 8):
-            for config in cuda_int4.configs(group, K // group, split, lean=True):
+            for config in cuda_int4.configs(group, K // group, split, lean=True, asynchronous=True):
                 if split == 1:
                     y = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
                     cuda_int4.gemv(x, words, sz, y, group, config, split, pdl=False)
@@ -135,7 +139,7 @@ def test_gate_up_with_swiglu_against_the_unfused_ops(group):
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         gate, up = (x @ w.T.to(torch.bfloat16)).chunk(2, dim=-1)
         ref = torch.nn.functional.silu(gate) * up
-        for config in cuda_int4.configs(group, K // group, 1, glu=True, lean=True):
+        for config in cuda_int4.configs(group, K // group, 1, glu=True, lean=True, asynchronous=True):
             y = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
             cuda_int4.gemv(x, words, sz, y, group, config, 1, pdl=False, glu=True)
             assert rel_err(y, ref) < 2e-2, (config, M)

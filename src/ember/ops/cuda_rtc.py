@@ -237,13 +237,13 @@ def load(path: Path, names: list[str], device: torch.device) -> dict[str, ctypes
         return functions
 
 
-_UNBUILT: set[tuple[str, int]] = set()  # (source, device) whose build failed
+_UNBUILT: set[tuple[str, tuple[str, ...], int]] = set()  # (source, kernels, device) whose build failed
 
 
 def load_or_none(path: Path, names: list[str], device: torch.device, what: str) -> dict | None:
-    """`load`, or None where the build fails: logged once (naming `what`, the kernel) per source and device,
-    which are not tried again; the caller runs its Triton kernel instead."""
-    key = (str(path), device_index(device))
+    """`load`, or None where the build fails: logged once (naming `what`, the kernel) per source, set of
+    kernels and device, which are not tried again; the caller runs its Triton kernel instead."""
+    key = (str(path), tuple(names), device_index(device))
     if key in _UNBUILT:
         return None
     try:

@@ -22,14 +22,21 @@ from ember.ops import cuda_rtc
 SOURCE = Path(__file__).with_name("csrc") / "int4_gemv.cu"
 MAX_ROWS = 8  # activation rows: the mma's 8 columns
 GROUP_STEPS = (1, 2, 4)  # steps of 64 k a group: the int4 module's group sizes of 64 and more
-# (TW, KW, DEPTH, LEAN): TW tiles of 16 rows a block, KW warps a tile (each taking every KW-th group of the
-# run), DEPTH groups of weights a warp keeps in flight; LEAN: the activations loaded where used (not a group
-# ahead) and at most 64 registers, so that 1024 threads fit a multiprocessor.
+# (TW, KW, DEPTH, LEAN, ASYNC): TW tiles of 16 rows a block, KW warps a tile (each taking every KW-th group of
+# the run), DEPTH groups of weights a warp keeps in flight; LEAN: the activations loaded where used (not a
+# group ahead) and at most 64 registers, so that 1024 threads fit a multiprocessor; ASYNC: the groups in
+# flight held in shared memory (cp.async), not registers, so DEPTH can be 8.
 _SHAPES = [
     *[(4, 1, 2), (8, 1, 2), (4, 1, 4), (2, 2, 2)],  # for short runs (K split over blocks)
     *[(2, 4, 2), (1, 4, 2), (1, 4, 4), (1, 8, 2), (1, 8, 4), (2, 8, 2), (1, 16, 2)],  # for long runs
 ]
-CONFIGS = [(*c, False) for c in _SHAPES] + [(*c, True) for c in _SHAPES if c[2] == 2]
+# ASYNC: rings of 4-8 groups a warp (the register ones hold 2-4), within 48 KB of shared memory a block
+_ASYNC_SHAPES = [(1, 4, 8), (1, 4, 6), (1, 8, 4), (2, 4, 4), (1, 16, 2), (4, 1, 8)]
+CONFIGS = (
+    [(*c, False, False) for c in _SHAPES]
+    + [(*c, True, False) for c in _SHAPES if c[2] == 2]
+    + [(*c, False, True) for c in _ASYNC_SHAPES]
+)
 # Whether the tuner times these block shapes beside the Triton kernel's (tests/quant/test_cuda_int4.py passed
 # on an H100; BENCHMARKS.md, twenty-fourth session).
 OFFERED = True
@@ -41,18 +48,39 @@ WHOLE_ROWS = True
 
 # Gate/up + SwiGLU (`silu_gate_up`): a block holds TW gate tiles and their TW up tiles, so 2 TW KW warps.
 _GLU_SHAPES = [(2, 1, 2), (1, 2, 2), (1, 4, 2), (1, 4, 4), (2, 2, 2), (1, 8, 2), (2, 4, 2)]
-GLU_CONFIGS = [(*c, False) for c in _GLU_SHAPES] + [(*c, True) for c in _GLU_SHAPES if c[2] == 2]
+_GLU_ASYNC_SHAPES = [(1, 2, 8), (1, 2, 4), (2, 1, 8), (1, 4, 4), (2, 2, 4)]
+GLU_CONFIGS = (
+    [(*c, False, False) for c in _GLU_SHAPES]
+    + [(*c, True, False) for c in _GLU_SHAPES if c[2] == 2]
+    + [(*c, False, True) for c in _GLU_ASYNC_SHAPES]
+)
 # LEAN spills registers to the stack past groups of 128 (ptxas, sm_90: 112-120 bytes at 256; 8-24 at 128)
 LEAN_MAX_STEPS = 2
 # Whether the tuner times the LEAN configurations too (GPU tests passed on an H100; it took one for down, and
 # the int4-g128 step went 2086 -> 2060 us: BENCHMARKS.md, twenty-fourth session).
 LEAN_OFFERED = True
+# Whether the tuner times the ASYNC configurations too: not before they have run on a GPU (written in the
+# twenty-seventh session without one: the GPU tests cover them, and benchmarks/gpu_gemv.py --kinds int4cu
+# times them; the other kernels' machine code is unchanged by the ASYNC branches, NVRTC, sm_90).
+ASYNC_OFFERED = False
+ASYNC_SHARED = 48 * 1024  # static shared memory a block may declare
 
 
-def _name(group_steps: int, config: tuple[int, int, int, bool], split: bool, glu: bool = False) -> str:
-    tw, kw, depth, lean = config
-    flags = ", ".join("true" if f else "false" for f in (lean, split, glu))
+Config = tuple[int, int, int, bool, bool]  # (TW, KW, DEPTH, LEAN, ASYNC)
+
+
+def _name(group_steps: int, config: Config, split: bool, glu: bool = False) -> str:
+    tw, kw, depth, lean, asynchronous = config
+    flags = ", ".join("true" if f else "false" for f in (lean, split, glu, asynchronous))
     return f"int4_mma_gemv<{group_steps}, {tw}, {kw}, {depth}, {flags}>"
+
+
+def _shared_bytes(group_steps: int, config: Config, glu: bool) -> int:
+    """Static shared memory of a block: its ring of groups (ASYNC), the KW warps' sums, gate/up's up sums."""
+    tw, kw, depth, _, asynchronous = config
+    slots = tw * (2 if glu else 1)
+    ring = slots * kw * depth * (group_steps * 512 + 256) if asynchronous else 0
+    return ring + 4 * (kw - 1) * slots * 128 + (4 * tw * 128 if glu else 0)
 
 
 def fits(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> bool:
@@ -86,20 +114,32 @@ def _ready(index: int, group_size: int) -> bool:
     )
 
 
-def _built(pool: list, group_steps: int) -> list:
-    """The configurations of `pool` built for groups of `group_steps` steps: LEAN ones up to LEAN_MAX_STEPS."""
-    return [c for c in pool if not c[3] or group_steps <= LEAN_MAX_STEPS]
+def _built(group_steps: int, glu: bool) -> list[Config]:
+    """The configurations (GLU_CONFIGS with glu, else CONFIGS) built for groups of `group_steps` steps: LEAN
+    ones up to LEAN_MAX_STEPS, ASYNC ones whose ring fits the static shared memory."""
+    return [
+        c
+        for c in (GLU_CONFIGS if glu else CONFIGS)
+        if (not c[3] or group_steps <= LEAN_MAX_STEPS)
+        and (not c[4] or _shared_bytes(group_steps, c, glu) <= ASYNC_SHARED)
+    ]
 
 
 def configs(
-    group_size: int, groups: int, split: int, glu: bool = False, lean: bool | None = None
-) -> list[tuple[int, int, int, bool]]:
+    group_size: int,
+    groups: int,
+    split: int,
+    glu: bool = False,
+    lean: bool | None = None,
+    asynchronous: bool | None = None,
+) -> list[Config]:
     """The configurations worth timing for rows of `groups` groups of `group_size` cut into `split` runs (with
     glu, of a gate/up weight): no warp of a tile without a group of its own; LEAN ones where `lean` (default
-    LEAN_OFFERED) and built."""
+    LEAN_OFFERED), ASYNC ones where `asynchronous` (default ASYNC_OFFERED), and built."""
     lean = LEAN_OFFERED if lean is None else lean
-    pool = _built(GLU_CONFIGS if glu else CONFIGS, group_size // 64)
-    return [c for c in pool if c[1] <= groups // split and (lean or not c[3])]
+    asynchronous = ASYNC_OFFERED if asynchronous is None else asynchronous
+    pool = _built(group_size // 64, glu)
+    return [c for c in pool if c[1] <= groups // split and (lean or not c[3]) and (asynchronous or not c[4])]
 
 
 def whole_rows(device: torch.device, group_size: int) -> bool:
@@ -109,17 +149,22 @@ def whole_rows(device: torch.device, group_size: int) -> bool:
     )
 
 
-def kernels(device: torch.device, group_steps: int) -> dict | None:
-    """The built kernels for `device` and groups of `group_steps` steps, or None where they cannot be built
-    (logged once)."""
-    return cuda_rtc.load_or_none(SOURCE, list(_names(group_steps)), device, "CUDA int4 GEMV")
+def kernels(device: torch.device, group_steps: int, asynchronous: bool = False) -> dict | None:
+    """The built kernels for `device` and groups of `group_steps` steps (the ASYNC ones, or the others), or None
+    where they cannot be built (logged once). ASYNC ones are built apart, on first use: nothing pays for their
+    build while they are not offered."""
+    what = "CUDA int4 GEMV" + (" (ASYNC)" if asynchronous else "")
+    return cuda_rtc.load_or_none(SOURCE, list(_names(group_steps, asynchronous)), device, what)
 
 
 @functools.cache
-def _names(group_steps: int) -> tuple[str, ...]:
-    """Every instance built for groups of `group_steps` steps (named once: `kernels` runs on every launch)."""
-    names = [_name(group_steps, c, split) for c in _built(CONFIGS, group_steps) for split in (False, True)]
-    return (*names, *(_name(group_steps, c, False, glu=True) for c in _built(GLU_CONFIGS, group_steps)))
+def _names(group_steps: int, asynchronous: bool) -> tuple[str, ...]:
+    """Every instance built for groups of `group_steps` steps, ASYNC or not (named once: `kernels` runs on every
+    launch)."""
+    plain = [c for c in _built(group_steps, False) if c[4] == asynchronous]
+    glu = [c for c in _built(group_steps, True) if c[4] == asynchronous]
+    names = [_name(group_steps, c, split) for c in plain for split in (False, True)]
+    return (*names, *(_name(group_steps, c, False, glu=True) for c in glu))
 
 
 def gemv(
@@ -128,7 +173,7 @@ def gemv(
     sz: torch.Tensor,
     y: torch.Tensor,
     group_size: int,
-    config: tuple[int, int, int, bool],
+    config: Config,
     split: int,
     pdl: bool,
     glu: bool = False,
@@ -137,7 +182,7 @@ def gemv(
     of K's groups; with glu (w is gate rows over up rows, 2N of them), y (M, N) = silu(gate) * up. words, sz:
     `kernels.int4_mma_tile` and `kernels.int4_mma_scales` of w."""
     steps = group_size // 64
-    fns = kernels(x.device, steps)
+    fns = kernels(x.device, steps, config[4])
     if fns is None:
         raise cuda_rtc.CudaError("the CUDA int4 GEMV is not built")
     M, K = x.shape
@@ -159,7 +204,7 @@ def silu_gate_up(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_s
     y = torch.empty(M, words.shape[0] // 2, device=x.device, dtype=x.dtype)
     on = pdl(x.device)
 
-    def run(config: tuple[int, int, int, bool], w: tuple[torch.Tensor, ...]) -> None:
+    def run(config: Config, w: tuple[torch.Tensor, ...]) -> None:
         gemv(x, w[0], w[1], y, group_size, config, 1, on, glu=True)
 
     shapes = configs(group_size, K // group_size, 1, glu=True)

@@ -15,6 +15,11 @@
 // next group's activations) while it multiplies one; KW warps of a block share a tile, each taking every
 // KW-th group of the run, and add their sums in shared memory, so K is split without float32 partials
 // leaving the kernel; programmatic dependent launch, the first weights loading before griddepcontrol.wait.
+//
+// ASYNC: the DEPTH groups in flight wait in shared memory instead of registers (cp.async, each lane copying
+// and later reading back its own 16-byte words, so nothing but cp.async.wait_group orders them). A warp's
+// registers hold DEPTH 2 groups (ptxas: 72-96 registers at DEPTH 2-4, LEAN spills at DEPTH 4), about 7 MB in
+// flight over an H200, which its memory needs more of to run at its bandwidth; shared memory holds DEPTH 8.
 
 #include "ember_cuda.cuh"
 
@@ -24,6 +29,25 @@ constexpr u32 ONES = 0x3F803F80u;     // the bf16 pair (1, 1)
 // Blocks a multiprocessor must hold (__launch_bounds__): LEAN kernels, 1024 threads' worth (at most 64
 // registers a thread); the others leave the registers to ptxas (0).
 #define MIN_BLOCKS(threads, lean) ((lean) && 1024 / (threads) > 0 ? 1024 / (threads) : 0)
+
+// cp.async of 16 bytes (through L2 only: weights are read once) and of 4 bytes, to this thread's own slots.
+__device__ __forceinline__ void copy16_async(uint4* dst, const uint4* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src)
+               : "memory");
+}
+
+__device__ __forceinline__ void copy4_async(u32* dst, const u32* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"((u32)__cvta_generic_to_shared(dst)), "l"(src)
+               : "memory");
+}
+
+__device__ __forceinline__ void commit_async() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+// Waits until at most N of this thread's committed groups of copies are still in flight.
+template <int N>
+__device__ __forceinline__ void wait_async() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
 
 __device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -60,12 +84,14 @@ __device__ __forceinline__ void step(uint4 w, const uint4 (&x)[2], float (&C)[4]
 // GLU: the weight is gate rows over up rows (2N of them) and y (M, N) = silu(gate) * up, each rounded where
 // the unfused bf16 ops round. LEAN: a group's activations are loaded as it is multiplied (not one group
 // ahead), for fewer registers and so more warps a multiprocessor (a small projection is all ramp and tail).
-template <int GS, int TW, int KW, int DEPTH, bool LEAN, bool SPLIT, bool GLU>
+template <int GS, int TW, int KW, int DEPTH, bool LEAN, bool SPLIT, bool GLU, bool ASYNC>
 __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * (GLU ? 2 : 1) * KW * 32, LEAN))
     int4_mma_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u32* __restrict__ sz,
                   void* __restrict__ y, int N, int K, int M) {
   static_assert(!(GLU && SPLIT), "a gate/up GEMV stores whole rows");
+  static_assert(!(ASYNC && LEAN), "LEAN's point is registers; ASYNC's ring is in shared memory");
   constexpr int SLOTS = TW * (GLU ? 2 : 1);
+  constexpr int WARPS = SLOTS * KW;
   pdl_launch_dependents();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, q = lane & 3;
@@ -82,15 +108,30 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
   const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)min(g, M - 1) * K) + 2 * q;
   const u32* zp = sz + (size_t)(tile * 16 + g) * G;  // row g; row g + 8 is 8 G further
 
+  // The ring of DEPTH groups in flight: registers, or with ASYNC this thread's slots of shared memory, slot d
+  // holding group j when j % DEPTH == d (one cp.async group committed per group, so waiting until DEPTH - 1
+  // are in flight means the oldest has landed).
   uint4 wb[DEPTH][GS];
   u32 zb[DEPTH][2];
+  __shared__ uint4 ring[ASYNC ? WARPS * DEPTH * GS * 32 : 1];
+  __shared__ u32 zring[ASYNC ? WARPS * DEPTH * 2 * 32 : 1];
+  uint4* const wr = ring + (size_t)warp * DEPTH * GS * 32 + lane;  // slot d, step s: wr[(d * GS + s) * 32]
+  u32* const zr = zring + (size_t)warp * DEPTH * 2 * 32 + lane;    // slot d, row g + 8 h: zr[(2 d + h) * 32]
 #pragma unroll
   for (int d = 0; d < DEPTH; ++d) {
     const int grp = min(first + d * KW, top);  // past the warp's groups: a group of the run (not used)
+    if (ASYNC) {
 #pragma unroll
-    for (int s = 0; s < GS; ++s) wb[d][s] = __ldcs(wp + (size_t)(grp * GS + s) * 32);
-    zb[d][0] = __ldg(zp + grp);
-    zb[d][1] = __ldg(zp + 8 * G + grp);
+      for (int s = 0; s < GS; ++s) copy16_async(wr + (d * GS + s) * 32, wp + (size_t)(grp * GS + s) * 32);
+      copy4_async(zr + 2 * d * 32, zp + grp);
+      copy4_async(zr + (2 * d + 1) * 32, zp + 8 * G + grp);
+      commit_async();
+    } else {
+#pragma unroll
+      for (int s = 0; s < GS; ++s) wb[d][s] = __ldcs(wp + (size_t)(grp * GS + s) * 32);
+      zb[d][0] = __ldg(zp + grp);
+      zb[d][1] = __ldg(zp + 8 * G + grp);
+    }
   }
   pdl_wait();
   uint4 xc[GS][2];
@@ -113,6 +154,13 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
           xn[s][0] = __ldg(xp + (at * GS + s) * 8);
           xn[s][1] = __ldg(xp + (at * GS + s) * 8 + 1);
         }
+        if (ASYNC) {  // group j from its slot (read before the slot is refilled below)
+          wait_async<DEPTH - 1>();
+#pragma unroll
+          for (int s = 0; s < GS; ++s) wb[d][s] = wr[(d * GS + s) * 32];
+          zb[d][0] = zr[2 * d * 32];
+          zb[d][1] = zr[(2 * d + 1) * 32];
+        }
         float C[4] = {0.0f, 0.0f, 0.0f, 0.0f}, X[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int s = 0; s < GS; ++s) step(wb[d][s], LEAN ? xn[s] : xc[s], C, X);
@@ -122,13 +170,21 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
           const float scale = __uint_as_float(f & 0xFFFF0000u), low = __uint_as_float(f << 16);
           acc[c] = fmaf(scale, C[c], fmaf(-128.0f, scale, low) * X[c] + acc[c]);
         }
-        if (j + DEPTH < n) {  // this slot's next group
+        if (j + DEPTH < n) {  // this slot's next group (ASYNC: the slot's words are in registers by now)
           const int grp = first + (j + DEPTH) * KW;
+          if (ASYNC) {
 #pragma unroll
-          for (int s = 0; s < GS; ++s) wb[d][s] = __ldcs(wp + (size_t)(grp * GS + s) * 32);
-          zb[d][0] = __ldg(zp + grp);
-          zb[d][1] = __ldg(zp + 8 * G + grp);
+            for (int s = 0; s < GS; ++s) copy16_async(wr + (d * GS + s) * 32, wp + (size_t)(grp * GS + s) * 32);
+            copy4_async(zr + 2 * d * 32, zp + grp);
+            copy4_async(zr + (2 * d + 1) * 32, zp + 8 * G + grp);
+          } else {
+#pragma unroll
+            for (int s = 0; s < GS; ++s) wb[d][s] = __ldcs(wp + (size_t)(grp * GS + s) * 32);
+            zb[d][0] = __ldg(zp + grp);
+            zb[d][1] = __ldg(zp + 8 * G + grp);
+          }
         }
+        if (ASYNC) commit_async();  // one group a group, empty past the run's end
 #pragma unroll
         for (int s = 0; s < GS; ++s) {
           xc[s][0] = xn[s][0];
@@ -137,6 +193,7 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
       }
     }
   }
+  if (ASYNC) wait_async<0>();  // no copy may land in shared memory after the block has left it
   if (KW > 1) {  // the slot's other warps hand their sums to warp `slot`, which adds them in order
     __shared__ float red[KW > 1 ? (KW - 1) * SLOTS * 128 : 1];
     if (kr > 0) {
