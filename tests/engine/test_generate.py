@@ -57,15 +57,16 @@ def test_a_compiled_generator_outlives_torch_compiles_recompile_limit(monkeypatc
     not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
     reason="needs a CUDA GPU, with TRITON_INTERPRET=0",
 )
-@pytest.mark.parametrize("own_graph", [True, False])
-def test_cuda_graph_decode_matches_eager_across_cache_lengths(own_graph, monkeypatch):
+@pytest.mark.parametrize("own_graph,compile_prefill", [(True, False), (False, False), (True, True)])
+def test_cuda_graph_decode_matches_eager_across_cache_lengths(own_graph, compile_prefill, monkeypatch):
     # The CUDA path of the test above: the step captured in Ember's DecodeGraph (or torch.compile's
-    # "reduce-overhead" graph), a step per cache length; greedy tokens picked inside the graph, and tokens
-    # picked outside it (a penalty, log-probabilities), each as the eager step picks them.
+    # "reduce-overhead" graph), a step per cache length, beside the prefill's CUDA graphs or the eager prefill;
+    # greedy tokens picked inside the graph, and tokens picked outside it (a penalty, log-probabilities), each
+    # as the eager step picks them.
     monkeypatch.setattr(generate, "OWN_GRAPH", own_graph)
     cuda = torch.device("cuda")
     model = random_model("tiny", device=cuda, dtype=torch.float32)
-    compiled = Generator(model, device=cuda, context=1024, compile=True)
+    compiled = Generator(model, device=cuda, context=1024, compile=True, compile_prefill=compile_prefill)
     eager = Generator(model, device=cuda, context=1024)
     outside = SamplingParams(max_tokens=6, temperature=0, repetition_penalty=1.5, logprobs=2, ignore_eos=True)
     with torch._dynamo.config.patch(recompile_limit=1):
