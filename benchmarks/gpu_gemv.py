@@ -14,6 +14,7 @@ them), cycling through enough weight copies to defeat the 50 MB L2, median of se
     python benchmarks/gpu_gemv.py --kinds int8 int8cu --shapes qkv o down lm_head   # int8: Triton vs CUDA C++
     python benchmarks/gpu_gemv.py --kinds int8glu int8cuglu --shapes gate_up
     python benchmarks/gpu_gemv.py --kinds int4mma int4cu --shapes qkv o gate_up down   # int4: Triton vs CUDA C++
+    python benchmarks/gpu_gemv.py --kinds int4cuglu --shapes gate_up   # int4 gate/up + SwiGLU, ASYNC shapes too
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ def weights_for(kind: str, N: int, K: int, copies: int):
 
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
     # fused gate/up and the CUDA C++ kernels: the weights of the Triton kernel they stand beside
-    kind = {"int4cu": "int4mma"}.get(kind, kind).removesuffix("glu").removesuffix("cu")
+    kind = (
+        {"int4cu": "int4mma", "int4cuglu": "int4mma"}.get(kind, kind).removesuffix("glu").removesuffix("cu")
+    )
     if kind == "bf16":
         one = (w,)
     elif kind == "int8":
@@ -140,6 +143,12 @@ def kernel_calls(kind: str, x: torch.Tensor, ws, config: dict | None):
         blocks = {k: v for k, v in config.items() if k != "SPLIT"}
         split = config.get("SPLIT")
         return lambda i: triton_mma.int4_mma_gemv(x, *ws[i % len(ws)], GROUP, split, blocks=blocks)
+    if kind == "int4cuglu":  # the same kernel's gate/up + SwiGLU (gate rows over up rows), a block shape
+        from ember.quant import cuda_int4
+
+        y = torch.empty(x.shape[0], ws[0][0].shape[0] // 2, device=x.device, dtype=x.dtype)
+        block, on = tuple(config["CUDA"]), pdl(x.device)
+        return lambda i: cuda_int4.gemv(x, *ws[i % len(ws)], y, GROUP, block, 1, pdl=on, glu=True)
     if kind == "int4cu":  # Ember's CUDA C++ int4 GEMV (`ember.quant.cuda_int4`): a block shape and a split
         from ember.quant import cuda_int4
 
@@ -161,6 +170,10 @@ def configs_for(kind: str, N: int, K: int) -> list[dict]:
         return [
             {"CUDA": list(c)} for c in (cuda_gemv.GLU_CONFIGS if kind == "int8cuglu" else cuda_gemv.CONFIGS)
         ]
+    if kind == "int4cuglu":  # gate/up + SwiGLU: whole rows (ASYNC shapes included)
+        from ember.quant import cuda_int4
+
+        return [{"CUDA": list(c)} for c in cuda_int4.configs(GROUP, K // GROUP, 1, True, True, True)]
     if kind == "int4cu":  # block shapes x runs of K's groups: the whole row and the Triton kernel's split
         from ember.quant import cuda_int4, triton_mma
 
