@@ -5,14 +5,16 @@ read at each launch). The baseline arm takes them from a git revision (`--baseli
 candidate arm from the working tree, or from the files given (`--attention`, `--int4`, `--int8`). Both arms
 decode one random-weight model (Llama-3-8B shape unless `--shape`), each through a Generator of its own,
 whose decode graph is captured with its arm's kernels; the timed runs alternate between the arms, so slow
-drifts of the machine fall on both. The GEMV tuner picks block shapes once per shape in the process, so the
-arms share its picks and differ only in their kernels' text. Steps are timed as `ember bench` times them
+drifts of the machine fall on both. The GEMV tuner picks block shapes once per shape and arm. `--set
+MODULE.NAME=VALUE` sets a module constant for the candidate arm only (say, offering the tuner more block
+shapes: `--set ember.quant.cuda_int4.ASYNC_OFFERED=True`). Steps are timed as `ember bench` times them
 (128-token prompt, 256 tokens, compiled); the table gives each arm's median step, the change, and whether
 the arms gave the same greedy tokens (a kernel that rounds differently may not).
 
     python benchmarks/gpu_step_ab.py --configs int4 int8                    # working tree against HEAD
     python benchmarks/gpu_step_ab.py --baseline HEAD~1 --configs int4       # what the last commit changed
     python benchmarks/gpu_step_ab.py --attention /tmp/candidate.cu          # one candidate file
+    python benchmarks/gpu_step_ab.py --set ember.quant.cuda_int4.ASYNC_OFFERED=True --configs int4
 
 Kernels include `ember_cuda.cuh` as it is in the working tree, for both arms.
 """
@@ -20,6 +22,7 @@ Kernels include `ember_cuda.cuh` as it is in the working tree, for both arms.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
 import statistics
 import subprocess
@@ -51,10 +54,34 @@ def sources_at(rev: str, into: Path) -> dict[str, Path]:
     return out
 
 
-def use(sources: dict[str, Path]) -> None:
-    """Point each kernel module at the arm's source (a new path is built on first use)."""
-    for key, (module, _) in KERNELS.items():
-        importlib.import_module(module).SOURCE = sources[key]
+class Arm:
+    """An arm's kernel sources, module constants and GEMV tuner picks, made current by `use`."""
+
+    def __init__(self, sources: dict[str, Path], settings: dict[str, object]) -> None:
+        self.sources, self.settings, self.picks = sources, settings, {}
+
+    def use(self) -> None:
+        from ember.quant import tuning
+
+        for key, (module, _) in KERNELS.items():  # a new path is built on first use
+            importlib.import_module(module).SOURCE = self.sources[key]
+        for name, value in self.settings.items():
+            module, _, attr = name.rpartition(".")
+            setattr(importlib.import_module(module), attr, value)
+        tuning._picked = self.picks
+
+
+def parse_settings(pairs: list[str]) -> tuple[dict[str, object], dict[str, object]]:
+    """--set MODULE.NAME=VALUE pairs -> (the candidate's values, the baseline's: the constants as they are)."""
+    candidate, baseline = {}, {}
+    for pair in pairs:
+        name, eq, value = pair.partition("=")
+        module, _, attr = name.rpartition(".")
+        if not eq or not module:
+            raise SystemExit(f"--set {pair!r}: expected MODULE.NAME=VALUE")
+        candidate[name] = ast.literal_eval(value)
+        baseline[name] = getattr(importlib.import_module(module), attr)
+    return candidate, baseline
 
 
 def main() -> None:
@@ -66,6 +93,7 @@ def main() -> None:
         ap.add_argument(
             f"--{key}", type=Path, help=f"the candidate's {key} kernel (default: the working tree's)"
         )
+    ap.add_argument("--set", action="append", default=[], help="MODULE.NAME=VALUE for the candidate arm")
     ap.add_argument("--runs", type=int, default=7, help="timed runs an arm (after 2 warm-ups)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -76,14 +104,15 @@ def main() -> None:
     from ember.engine.sampler import SamplingParams
 
     tmp = Path(tempfile.mkdtemp(prefix="ember-ab-"))
-    arms = {
-        "baseline": sources_at(args.baseline, tmp),
-        "candidate": {key: getattr(args, key) or ROOT / path for key, (_, path) in KERNELS.items()},
-    }
+    settings, originals = parse_settings(args.set)
+    working = {key: getattr(args, key) or ROOT / path for key, (_, path) in KERNELS.items()}
+    arms = {"baseline": Arm(sources_at(args.baseline, tmp), originals), "candidate": Arm(working, settings)}
     dev = torch.device("cuda")
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
+    extra = "".join(f"; the candidate sets {pair}" for pair in args.set)
     print(
-        f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}; baseline {args.baseline}", flush=True
+        f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}; baseline {args.baseline}{extra}",
+        flush=True,
     )
     rows = []
     for config in args.configs:
@@ -92,14 +121,14 @@ def main() -> None:
         prompt = torch.randint(0, model.config.vocab_size, (128,), generator=torch.Generator().manual_seed(0))
         prompt = prompt.tolist()
         gens, tokens, steps = {}, {}, {arm: [] for arm in arms}
-        for arm, sources in arms.items():
-            use(sources)
+        for arm in arms:
+            arms[arm].use()
             gens[arm] = Generator(model, device=dev, context=384, compile=True)
             for _ in range(2):  # the first captures the decode graph with this arm's kernels
                 tokens[arm] = [s.token_id for s in gens[arm].generate(prompt, params, (), None)]
         for r in range(args.runs):
             for arm in list(arms)[:: 1 if r % 2 else -1]:
-                use(arms[arm])  # the prefill runs outside the graph
+                arms[arm].use()  # the prefill runs outside the graph
                 for _ in gens[arm].generate(prompt, params, (), None):
                     pass
                 t = gens[arm].timings
