@@ -16,7 +16,9 @@ the arms gave the same greedy tokens (a kernel that rounds differently may not).
     python benchmarks/gpu_step_ab.py --attention /tmp/candidate.cu          # one candidate file
     python benchmarks/gpu_step_ab.py --set ember.quant.cuda_int4.ASYNC_OFFERED=True --configs int4
 
-Kernels include `ember_cuda.cuh` as it is in the working tree, for both arms.
+Both arms launch through the working tree's Python, so a baseline's kernels must take its template arguments
+(the int4 GEMV's gained ASYNC at 964d4f7: older revisions cannot stand in for it), and include
+`ember_cuda.cuh` as it is in the working tree.
 """
 
 from __future__ import annotations
