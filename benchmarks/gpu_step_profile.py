@@ -92,7 +92,7 @@ def profile_config(config: str, args: argparse.Namespace) -> None:
         return 1e6 / gen.timings.decode_tokens_per_s
 
     def host_times() -> tuple[list[float], list[float]]:
-        """One decode's host time a step in `Generator._step` (guards, graph replay, argmax launch) and in
+        """One decode's host time a step in `Generator._step` (the decode graph's replay) and in
         waiting for each token: a host that rarely waits is what bounds the step."""
         enqueue, wait = [], []
         step, read = gen._step, _TokenReader.read
@@ -148,8 +148,8 @@ def profile_config(config: str, args: argparse.Namespace) -> None:
     )
     q = statistics.quantiles
     print(
-        f"host a step: {statistics.median(enqueue):.0f} us enqueuing it (p90 {q(enqueue, n=10)[-1]:.0f}: guards, "
-        f"graph replay, argmax), {statistics.median(wait):.0f} us waiting for a token (p10 {q(wait, n=10)[0]:.0f}); "
+        f"host a step: {statistics.median(enqueue):.0f} us enqueuing it (p90 {q(enqueue, n=10)[-1]:.0f}), "
+        f"{statistics.median(wait):.0f} us waiting for a token (p10 {q(wait, n=10)[0]:.0f}); "
         f"{sum(w < 50 for w in wait[1:])} of {len(wait) - 1} waits under 50 us (a host that does not wait is the bound)\n"
     )
     print("| kernel | a step | marginal us a step | share | mean span us |")
