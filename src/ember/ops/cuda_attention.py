@@ -92,10 +92,9 @@ def fits(q, k, v, cos, sin, k_cache, v_cache, positions, config: tuple[int, int,
     )
 
 
-def _kernel(
-    dtype: torch.dtype, D: int, G: int, config: tuple[int, int, int], device: torch.device, source: Path
-):
-    fns = cuda_rtc.load_or_none(source, [_name(dtype, D, G, config)], device, "CUDA decode attention")
+def _kernel(dtype: torch.dtype, D: int, G: int, config: tuple[int, int, int], device: torch.device):
+    # SOURCE is read at each launch, so a benchmark may point the module at a candidate or a stamped copy.
+    fns = cuda_rtc.load_or_none(SOURCE, [_name(dtype, D, G, config)], device, "CUDA decode attention")
     return None if fns is None else fns[_name(dtype, D, G, config)]
 
 
@@ -116,19 +115,17 @@ def decode_attention(
     config: tuple[int, int, int] | None = None,
     prefetch: bool | None = None,
     pdl: bool | None = None,
-    source: Path | None = None,
 ) -> torch.Tensor | None:
     """`ember.ops.triton_attention.decode_attention`'s function: rope on q (B, H, D) and k (B, K, D), k and v
     stored at `positions` (B,, int64) in the caches (B, K, S, D), attention -> (B, H, D); None where the
     kernel cannot be built (the caller runs the Triton kernel). Operands as `fits` requires. k_next, v_next:
     the next layer's caches, pulled into L2 when `prefetch` (default: 256 < S <= 512, as measured for the
-    Triton kernel); the kernel reads nothing else of them. source: the kernel's CUDA file (default: SOURCE, read
-    at each call, so a benchmark may point the module at a candidate)."""
+    Triton kernel); the kernel reads nothing else of them."""
     B, H, D = q.shape
     KV, S = k_cache.shape[1], k_cache.shape[2]
     G = H // KV
     config = config or default_config(S, D, G)
-    fn = _kernel(q.dtype, D, G, config, q.device, source or SOURCE)
+    fn = _kernel(q.dtype, D, G, config, q.device)
     if fn is None:
         return None
     if prefetch is None:
