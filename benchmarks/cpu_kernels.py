@@ -7,6 +7,9 @@ by default. Medians of alternated runs, microseconds a call, 2 threads unless --
 - int4 (groups of 32): `ember_cpu::int4_gemv` vs torch's `_weight_int4pack_mm_for_cpu` (bf16 activations);
   "step" adds up one decode step's projections (each layer's qkv, o, gate/up, down) over distinct copies of the
   weights, so that they stream from memory as in a real step.
+- int4 prefill (`--prefill-rows`): `int4_gemv` (int8 activation codes) and, on CPUs with AMX-BF16,
+  `int4_gemm_bf16` (dequantized a tile at a time), against torch's int4 kernel and against torch's bf16 GEMM
+  over weights dequantized beforehand (oneDNN: what the same projection costs a bf16 model).
 - int8-dyn: `ember_cpu::int8_gemv` vs `torch._int_mm`, both with the activation's per-row int8 quantization.
 - attention: `ember_cpu::decode_attention` vs `grouped_decode_attention` (masked matmuls over every slot), one
   query token at the last slot; and `paged_decode_attention` vs the paged cache's gather + SDPA, rows whose
@@ -54,6 +57,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="*", default=[1, 4, 16], help="activation rows a call")
     ap.add_argument("--slots", type=int, nargs="*", default=[256, 1024], help="attention: positions + 1")
+    ap.add_argument(
+        "--prefill-rows", type=int, nargs="*", default=[64, 128, 512], help="int4 prefill: rows a call"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=200)
     args = ap.parse_args()
@@ -95,6 +101,32 @@ def main() -> None:
 
     t = median_us({"ember": lambda: step(True), "torch": lambda: step(False)}, max(5, args.repeats // 20))
     print(f"{'step':10} {1:4d} {t['ember']:9.1f} {t['torch']:9.1f} {t['torch'] / t['ember']:8.2f}x")
+
+    amx = cpu_ext.amx_bf16()
+    print(
+        f"\n{'int4 prefill':12} {'rows':>4} {'codes':>8} {'bf16 AMX':>9} {'torch int4':>11} {'torch bf16':>11}"
+        f" {'vs torch int4':>14}"
+    )
+    for name, (N, K) in shapes.items():
+        tiles, scale_min, packed, sz = int4_operands(N, K)[0]
+        w = torch.randn(N, K).bfloat16()  # a bf16 model's weight of the same shape
+        for rows in args.prefill_rows:
+            x = torch.randn(rows, K)
+            xb = x.bfloat16()
+            fns = {
+                "codes": lambda: torch.ops.ember_cpu.int4_gemv(x, tiles, scale_min, 32),  # noqa: B023
+                "int4": lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, 32, sz),  # noqa: B023
+                "bf16": lambda: torch.nn.functional.linear(xb, w),  # noqa: B023
+            }
+            if amx:
+                fns["amx"] = lambda: torch.ops.ember_cpu.int4_gemm_bf16(x, tiles, scale_min, 32)  # noqa: B023
+            t = median_us(fns, max(5, args.repeats // 10))
+            best = min(t["codes"], t.get("amx", t["codes"]))
+            amx_col = f"{t['amx']:9.1f}" if amx else f"{'-':>9}"
+            print(
+                f"{name:12} {rows:4d} {t['codes']:8.1f} {amx_col} {t['int4']:11.1f} {t['bf16']:11.1f}"
+                f" {t['int4'] / best:13.2f}x"
+            )
 
     print(f"\n{'int8-dyn':10} {'rows':>4} {'Ember':>9} {'_int_mm':>9} {'speed-up':>9}")
     for name, (N, K) in {**shapes, "lm_head": (m["vocab"], h)}.items():

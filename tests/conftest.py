@@ -140,12 +140,13 @@ def run_cached(
 
 
 def assert_greedy(model, prompt: list[int], tokens: list[int], near_tie: float = 1e-3) -> None:
-    """Teacher-forces `tokens` after `prompt` through `model` in one eager forward: each must be the argmax of
-    the logits before it, or score within `near_tie` of it (sums in another order, a compiled step's, may
-    break a near-tie the other way, and a greedy path goes on differently from there)."""
+    """Teacher-forces `tokens` after `prompt` through `model` eagerly as a Generator runs them (the prompt as
+    one prefill, then one decode step a token, so each step takes the decode path's kernels): each must be the
+    argmax of the logits before it, or score within `near_tie` of it (sums in another order, a compiled
+    step's, may break a near-tie the other way, and a greedy path goes on differently from there)."""
     ids = torch.tensor([prompt + tokens])
     with torch.inference_mode():
-        logits = run_cached(model, ids, ids.shape[1], max_seq_len=ids.shape[1])[0, len(prompt) - 1 : -1]
+        logits = run_cached(model, ids, len(prompt), max_seq_len=ids.shape[1])[0, len(prompt) - 1 : -1]
     gaps = logits.max(dim=-1).values - logits[torch.arange(len(tokens)), torch.tensor(tokens)]
     worst = int(gaps.argmax())
     assert gaps[worst] <= near_tie, (

@@ -60,6 +60,82 @@ def test_int4_gemv_is_its_twin(ops, group_size, rows):
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def amx_builds() -> tuple:
+    """The native build and one without AMX, for CPUs whose kernels run on the tile unit (else a skip)."""
+    if not cpu_ext.available() or not cpu_ext.amx_bf16():
+        pytest.skip("no AMX on this CPU (or no tile state for this process)")
+    cpu_ext.load("ember_cpu_no_amx", ("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"))
+    assert "amx" not in torch.ops.ember_cpu_no_amx.simd()
+    return torch.ops.ember_cpu, torch.ops.ember_cpu_no_amx
+
+
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("rows", [16, 37, 130])
+def test_int4_gemv_on_the_tile_unit_is_the_vector_path_bit_for_bit(group_size, rows):
+    """From 16 rows the int8 codes' sums come from AMX (16 rows at a time, the rest on the vector path), and
+    are scaled with the vector path's instructions in its order: the same bits."""
+    amx, vector = amx_builds()
+    torch.manual_seed(rows)
+    N, K = 80, 640  # five tiles; 20 blocks (pairs of them on the tile unit)
+    codes, scales, mins = quantize_int4_grouped(torch.randn(N, K) * 0.05, group_size)
+    qweight = pack_nibbles(codes)
+    tiles, scale_min = cpu_ext.int4_tiles(qweight, scales, mins)
+    x = activations(rows, K)
+    got = amx.int4_gemv(x, tiles, scale_min, group_size)
+    assert torch.equal(got, vector.int4_gemv(x, tiles, scale_min, group_size))
+    want = cpu_ext.int4_reference(x, qweight, scales, mins, group_size)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 256])
+@pytest.mark.parametrize("rows,N", [(1, 48), (17, 48), (64, 80), (100, 96)])
+def test_int4_gemm_bf16_is_its_twin(group_size, rows, N):
+    """bf16 activations and dequantized bf16 weights on the tile unit, float32 sums: rows padded to pairs of
+    16, output tiles in pairs and an odd one, every group size."""
+    amx, _ = amx_builds()
+    torch.manual_seed(group_size + rows)
+    K = 512
+    codes, scales, mins = quantize_int4_grouped(torch.randn(N, K) * 0.05, group_size)
+    qweight = pack_nibbles(codes)
+    tiles, scale_min = cpu_ext.int4_tiles(qweight, scales, mins)
+    x = activations(rows, K)
+    got = amx.int4_gemm_bf16(x, tiles, scale_min, group_size)
+    assert got.shape == (rows, N) and got.is_contiguous()
+    want = cpu_ext.int4_bf16_reference(x, qweight, scales, mins, group_size)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()  # float32 sums in another order
+    # bf16 activations are closer to the float product than the int8 codes are
+    w = codes.float().reshape(N, -1, group_size) * scales[..., None] + mins[..., None]
+    exact = x @ w.reshape(N, K).T
+    codes_err = (amx.int4_gemv(x, tiles, scale_min, group_size) - exact).abs().mean()
+    assert (got - exact).abs().mean() < codes_err
+
+
+def test_int4_projections_take_the_tile_unit_from_amx_bf16_rows():
+    """A prefill's rows (from AMX_BF16_ROWS) run int4_gemm_bf16, eager and compiled alike; fewer rows keep the
+    int8 codes."""
+    amx_builds()
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    q = QuantSpec.parse("int4-g32").make(nn.Linear(128, 64, bias=False))
+    q.prepare()
+    args = (q.qweight, q.scales, q.mins, 32)
+    compiled = torch.compile(q, dynamic=True)
+    with torch.no_grad():
+        for rows, twin, op in (
+            (cpu_ext.AMX_BF16_ROWS - 1, cpu_ext.int4_reference, "int4_gemv"),
+            (cpu_ext.AMX_BF16_ROWS, cpu_ext.int4_bf16_reference, "int4_gemm_bf16"),
+            (200, cpu_ext.int4_bf16_reference, "int4_gemm_bf16"),
+        ):
+            x = torch.randn(rows, 128)
+            y = q(x)
+            want = twin(x, *args)
+            assert (y - want).abs().max() <= 1e-5 * want.abs().max()
+            got, code = run_and_get_code(compiled, x)
+            assert f"ember_cpu.{op}" in "".join(code)
+            assert torch.equal(got, y)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 16])
 def test_int8_gemv_gives_int_mm_sums(ops, rows):
     """One int8 scale per activation row (int8-dyn's): the exact int32 sums torch._int_mm gives, times both
@@ -114,7 +190,8 @@ def test_modules_run_ember_kernels_and_int8_dyn_agrees_across_its_kernels():
 
 
 def test_compiled_int4_projections_call_the_kernel_at_any_rows():
-    """A decode step's row and a prefill's many (where torch's int4 kernel gives way to a bf16 GEMM)."""
+    """A decode step's row and a prefill's many (where torch's int4 kernel gives way to a bf16 GEMM; Ember's
+    runs on the tile unit in bf16 there where the CPU has one)."""
     if not cpu_ext.available():
         pytest.skip("Ember's CPU kernels are not built on this machine")
     from torch._inductor.utils import run_and_get_code
@@ -127,7 +204,8 @@ def test_compiled_int4_projections_call_the_kernel_at_any_rows():
         for rows in (1, 200):
             x = torch.randn(rows, 128)
             y, code = run_and_get_code(compiled, x)
-            assert "ember_cpu.int4_gemv" in "".join(code)
+            many = rows >= cpu_ext.AMX_BF16_ROWS and cpu_ext.amx_bf16()
+            assert f"ember_cpu.{'int4_gemm_bf16' if many else 'int4_gemv'}" in "".join(code)
             assert torch.equal(y, q(x))
 
 

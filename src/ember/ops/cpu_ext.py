@@ -3,6 +3,10 @@
 - `int4_gemv` and `int8_gemv` (`csrc/cpu_gemv.cpp`): a few rows of activations (decode steps) against int4
   and int8 weights, with the activations' int8 codes multiplied by the weights' codes in integer dot products
   (AVX512-VNNI, AVX-VNNI or AVX2);
+- `int4_gemm_bf16` (`csrc/cpu_gemv.cpp`, on CPUs with AMX-BF16: Sapphire Rapids and later): a prefill's
+  rows against int4 weights on the tile unit, the weights dequantized to bf16 a tile at a time and x rounded
+  to bf16, float32 sums; from `AMX_BF16_ROWS` rows it takes 0.55-0.7x the time of `int4_gemv` (which itself
+  runs its many-row sums on the tile unit there, bit for bit as its vector path: BENCHMARKS.md);
 - `decode_attention` and `paged_decode_attention` (`csrc/cpu_attention.cpp`): one query token a row over a
   static or a paged KV cache, reading only the slots the row sees.
 
@@ -14,8 +18,9 @@ cores. `available()` is False off x86, on CPUs with neither AVX2 nor VNNI, when 
 found (one log line says why) and with EMBER_CPU_KERNELS=0: callers then keep torch's kernels.
 
 Layouts (tiles of 16 output rows; see the C++ source): `int4_tiles` and `int8_tiles` build them from the
-canonical codes; `int4_reference` and `int8_reference` are the plain-torch twins the tests hold them to
-(decode attention's is `ember.ops.decode_attention.attend_reference`).
+canonical codes; `int4_reference`, `int4_bf16_reference` and `int8_reference` are the plain-torch twins the
+tests hold them to (decode attention's is `ember.ops.decode_attention.attend_reference`). EMBER_CPU_AMX=0 keeps
+the tile unit out of it (to compare).
 
 Shape legend: M rows of activations, K input features, N output features, g group size.
 """
@@ -46,6 +51,10 @@ NAMESPACE = "ember_cpu"
 TILE = 16  # output rows of a tile: N must be a multiple
 BLOCK = 32  # k of an activation block (int4) and of a tile's run of bytes: K must be a multiple
 INT8_MAX_K = 1 << 16  # int8 sums stay inside int32 up to this K
+# From this many rows an int4 projection runs `int4_gemm_bf16` where it can (`amx_bf16`): below, dequantizing
+# the weights costs more than the tile unit saves (SmolLM2's projections, 2 threads of a Xeon with AMX: even at
+# 48 rows, 0.67-0.85x the time at 64, 0.55-0.7x at 128; BENCHMARKS.md).
+AMX_BF16_ROWS = 64
 ENV = "EMBER_CPU_KERNELS"
 
 
@@ -138,6 +147,7 @@ def load(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> str:
             torch.ops.load_library(str(build(namespace, flags)))
             fakes = (
                 ("int4_gemv", _int4_fake),
+                ("int4_gemm_bf16", _int4_fake),
                 ("int8_gemv", _int8_fake),
                 ("decode_attention", _attention_fake),
                 ("paged_decode_attention", _attention_fake),
@@ -165,6 +175,13 @@ def available() -> bool:
         return False
     log.info("Ember's CPU kernels: %s", simd)
     return True
+
+
+@functools.cache
+def amx_bf16() -> bool:
+    """Whether `int4_gemm_bf16` runs here: the kernels built for AMX-BF16 and Linux granting this process the
+    tile state (not with EMBER_CPU_AMX=0)."""
+    return available() and bool(torch.ops.ember_cpu.amx_bf16())
 
 
 def _int4_fake(x, packed, scale_min, group_size):
@@ -226,6 +243,18 @@ def int4_reference(
     codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(N, G, group_size).float()
     s, m = (t.to(torch.float16).float()[..., None] for t in (scales, mins))
     return F.linear(quantize_blocks(x.float()), (codes * s + m).reshape(N, -1))
+
+
+def int4_bf16_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """`int4_gemm_bf16` in plain torch: x rounded to bf16, the weights q * scale + min (float16 scale and min)
+    rounded to bf16, float32 sums."""
+    N, G = scales.shape
+    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(N, G, group_size).float()
+    s, m = (t.to(torch.float16).float()[..., None] for t in (scales, mins))
+    w = (codes * s + m).reshape(N, -1).to(torch.bfloat16).float()
+    return F.linear(x.to(torch.bfloat16).float(), w)
 
 
 def int8_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -333,7 +333,9 @@ class Int4WeightOnlyLinear(QuantLinear):
           us, down 16.1 vs 19.0) and the compiled int4 step decodes 401 tok/s against 362 with tinygemm for
           the narrow projections, at the same time to first token (BENCHMARKS.md).
         - "cpu_dot": on CPUs with AVX2 or VNNI, Ember's C++ kernel (`ember.ops.cpu_ext`): activations
-          quantized to int8 per block of 32 and integer dot products with the codes, at any number of rows.
+          quantized to int8 per block of 32 and integer dot products with the codes, at any number of rows
+          (from `cpu_ext.AMX_BF16_ROWS` rows on CPUs with AMX-BF16, bf16 activations and weights on the tile
+          unit instead: `cpu_ext.int4_gemm_bf16`).
           On a 2-core Zen 4 it runs SmolLM2's projections at one row in 0.26-0.43x the time of torch's kernel
           and at 16 in 0.29-0.41x; a compiled prefill with it takes 0.56x (128 tokens) to 0.69x (500) the
           time of the dequantize + bf16 GEMM path below (BENCHMARKS.md).
@@ -361,6 +363,8 @@ class Int4WeightOnlyLinear(QuantLinear):
             self._kernel = "tiled"
         else:
             self._kernel = "tinygemm" if cuda_ok else "triton"
+        # Asked here, not in forward: a traced forward may not call into the kernels' loader.
+        self._amx_bf16 = self._kernel == "cpu_dot" and cpu_ext.amx_bf16()
         if self._kernel == "cpu_dot":
             tiles, scale_min = cpu_ext.int4_tiles(self.qweight, self.scales, self.mins)
             self.register_buffer("_tiles", tiles, persistent=False)
@@ -453,9 +457,11 @@ class Int4WeightOnlyLinear(QuantLinear):
             # agree to a bf16 rounding.
             y = float_gemm_as_kernel(x2, self._float_weights(x2.shape[0])).to(x.dtype)
         elif self._kernel == "cpu_dot":
-            y = torch.ops.ember_cpu.int4_gemv(
-                x2.float().contiguous(), self._tiles, self._scale_min, self.group_size
-            ).to(x.dtype)
+            # A prefill's rows on the tile unit in bf16 where the CPU has one (`cpu_ext.int4_gemm_bf16`), else
+            # (and for a decode step's few rows) the activations' int8 codes.
+            many = self._amx_bf16 and x2.shape[0] >= cpu_ext.AMX_BF16_ROWS
+            gemm = torch.ops.ember_cpu.int4_gemm_bf16 if many else torch.ops.ember_cpu.int4_gemv
+            y = gemm(x2.float().contiguous(), self._tiles, self._scale_min, self.group_size).to(x.dtype)
         elif self._kernel == "tinygemm":
             # bf16 activations: the only dtype of the CUDA kernel, and the CPU kernel's float32 path is not
             # vectorised (measured ~60x slower on AVX-512).

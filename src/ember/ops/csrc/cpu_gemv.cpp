@@ -20,6 +20,15 @@
 //   int8 packed (N/16, K/32 * 512) uint8: per tile and block, 8 runs of 64 bytes; run i holds for row l at byte
 //     t the code of k = 4i + t, plus 128 (an unsigned operand for vpdpbusd; XOR 0x80 gives the signed code).
 //
+// AMX (Sapphire Rapids and later, where the compiler targets AMX and Linux grants the tile state):
+//   int4_gemv runs rows 16 at a time on the tile unit, one TDPBSUD per tile of weights and block of 32 k (the
+//     activation codes signed, the weights' codes unpacked to unsigned bytes once per tile for all rows), then
+//     applies the scales to the block's sums with the vector path's instructions in its order: the same bits
+//     (tested). Only 1.1-1.3x faster (2 threads of a Xeon VM): every block's sums must leave the tile unit
+//     through memory to be scaled, and that, not the products, bounds it.
+//   int4_gemm_bf16 (a prefill's many rows) keeps its sums on the tile unit across K instead: x rounded to bf16,
+//     the weights dequantized to bf16 (q * scale + min, rounded) a tile at a time, float32 sums.
+//
 // Shape legend: M rows of activations, K input features, N output features.
 
 #include <ATen/ATen.h>
@@ -36,6 +45,13 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define EMBER_AVX512_VNNI 1
 #include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define EMBER_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define EMBER_AVX2 1
 #include <immintrin.h>
@@ -58,7 +74,11 @@ constexpr int kMaxRows = EMBER_MAX_ROWS;
 constexpr int64_t kQuantizeRows = 16;
 
 const char* simd_name() {
-#if defined(EMBER_AVX512_VNNI)
+#if defined(EMBER_AMX) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+  return "avx512-vnni+amx-bf16";
+#elif defined(EMBER_AMX)
+  return "avx512-vnni+amx";
+#elif defined(EMBER_AVX512_VNNI)
   return "avx512-vnni";
 #elif defined(EMBER_AVX2) && defined(__AVXVNNI__)
   return "avx-vnni";
@@ -263,7 +283,22 @@ inline I16 dot4_int8(I16 acc, const W64& w, int32_t x4) { return dot4(acc, w, x4
 // ---- activations --------------------------------------------------------------------------------------
 
 // Row x (K floats) -> xq (K int8), and per block of 32: d (its scale) and d * sum(xq) (the min term's factor).
+// With AVX-512 a block is two vectors: the same products, rounded half to even as nearbyint rounds (the
+// default rounding mode), the same codes.
 void quantize_blocks(const float* x, int64_t K, int8_t* xq, float* d, float* dsum) {
+#if defined(EMBER_AVX512_VNNI)
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const __m512 lo = _mm512_loadu_ps(x + b * kBlock), hi = _mm512_loadu_ps(x + b * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(lo, magnitude), _mm512_and_ps(hi, magnitude)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock + 16), _mm512_cvtsepi32_epi8(qhi));
+    d[b] = amax / 127.f;
+    dsum[b] = d[b] * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+  }
+#else
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const float* xb = x + b * kBlock;
     float amax = 0.f;
@@ -278,6 +313,7 @@ void quantize_blocks(const float* x, int64_t K, int8_t* xq, float* d, float* dsu
     d[b] = amax / 127.f;
     dsum[b] = d[b] * static_cast<float>(sum);
   }
+#endif
 }
 
 // Row x (K floats) -> xq (K int8) with one scale, rounded as the int8-dyn module rounds for torch._int_mm
@@ -346,6 +382,97 @@ void int8_tile(const uint8_t* w, const float* scales, const int8_t* xq, const fl
   }
 }
 
+#if defined(EMBER_AMX)
+// ---- AMX: 16 rows of activations at a time -------------------------------------------------------------
+
+constexpr int64_t kAmxRows = 16;  // rows of an A tile (and of the C tile)
+
+// Whether this process may use the tile unit: Linux hands out the AMX state on request (once a process), and
+// EMBER_CPU_AMX=0 keeps the vector path (to compare the two).
+bool amx_ready() {
+  static const bool ready = [] {
+    const char* env = std::getenv("EMBER_CPU_AMX");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return ready;
+}
+
+// The tile shapes: C (tmm0, tmm1) 16 rows of 16 int32; A (tmm2, tmm3) 16 rows of a block's 32 int8 codes;
+// B (tmm4, tmm5) a block's 32 k as 8 rows of 4 k for each of the 16 output rows.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 32, 32, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 8, 8};
+};
+
+// One int4 tile's codes (K/32 blocks of 4 runs of 64 bytes, low and high nibbles) -> B tiles, 512 bytes a
+// block: row i < 4 holds k = 4i + t of each output row (low nibbles of run i), row 4 + i k = 16 + 4i + t.
+void unpack_int4_tile(const uint8_t* w, int64_t KB, uint8_t* b) {
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int64_t blk = 0; blk < KB; ++blk) {
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = _mm512_loadu_si512(w + blk * 256 + 64 * i);
+      _mm512_store_si512(b + blk * 512 + 64 * i, _mm512_and_si512(v, mask));
+      _mm512_store_si512(b + blk * 512 + 256 + 64 * i, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+    }
+  }
+}
+
+// acc[r] of 16 rows from one block's int32 sums (C tile stored at c): the vector path's int4_tile arithmetic.
+inline void amx_scale_block(const int32_t* c, const F16x& scale, const F16x& mn, const float* d, const float* dsum,
+                            int64_t KB, int64_t b, F16x* acc) {
+  for (int r = 0; r < kAmxRows; ++r) {
+    const I16 sums{_mm512_load_si512(c + 16 * r)};
+    acc[r] = fma(mn, fset(dsum[r * KB + b]), fma(to_float(sums), fmul_scalar(scale, d[r * KB + b]), acc[r]));
+  }
+}
+
+// Rows [0, 16 * chunks) of xq against one int4 tile whose codes are unpacked at b: out[r * N + l]. Blocks go
+// two at a time through the tile unit (one C tile each) into one of two buffers, and the vector unit scales a
+// pair's sums while the tile unit computes the next pair's: the sums are read a pair after they were stored.
+void int4_tile_amx(const uint8_t* b, const at::Half* sm, const int8_t* xq, const float* d, const float* dsum,
+                   int64_t K, int64_t blocks_per_group, int64_t chunks, float* out, int64_t N) {
+  const int64_t KB = K / kBlock, pairs = (KB + 1) / 2;
+  alignas(64) int32_t c[2][2][kAmxRows * kTile];  // [pair % 2][block of the pair]
+  for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+    const int8_t* xa = xq + chunk * kAmxRows * K;
+    const float* da = d + chunk * kAmxRows * KB;
+    const float* sa = dsum + chunk * kAmxRows * KB;
+    F16x acc[kAmxRows];
+    for (auto& a : acc) a = fzero();
+    for (int64_t p = 0; p <= pairs; ++p) {
+      if (p < pairs) {  // pair p's sums
+        const int64_t blk = 2 * p;
+        _tile_zero(0);
+        _tile_loadd(2, xa + blk * kBlock, K);
+        _tile_loadd(4, b + blk * 512, 64);
+        _tile_dpbsud(0, 2, 4);
+        _tile_stored(0, c[p & 1][0], 64);
+        if (blk + 1 < KB) {
+          _tile_zero(1);
+          _tile_loadd(3, xa + (blk + 1) * kBlock, K);
+          _tile_loadd(5, b + (blk + 1) * 512, 64);
+          _tile_dpbsud(1, 3, 5);
+          _tile_stored(1, c[p & 1][1], 64);
+        }
+      }
+      if (p > 0) {  // pair p - 1's scales
+        for (int64_t j = 2 * (p - 1); j < std::min(2 * p, KB); ++j) {
+          const at::Half* s = sm + (j / blocks_per_group) * 2 * kTile;
+          amx_scale_block(c[(p - 1) & 1][j & 1], load_half(s), load_half(s + kTile), da, sa, KB, j, acc);
+        }
+      }
+    }
+    for (int r = 0; r < kAmxRows; ++r) store(out + (chunk * kAmxRows + r) * N, acc[r]);
+  }
+}
+#endif
+
+
 // Calls tile(R, first row) for the rows of x in runs of at most kMaxRows.
 template <int R, typename Tile>
 void rows_left(int64_t left, int64_t m, Tile& tile) {
@@ -392,13 +519,37 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const at::Half* sp = scale_min.data_ptr<at::Half>();
   float* op = out.data_ptr<float>();
+  int64_t amx_rows = 0;  // rows [0, amx_rows) on the tile unit, 16 at a time; the rest on the vector path
+#if defined(EMBER_AMX)
+  if (M >= kAmxRows && amx_ready()) amx_rows = M / kAmxRows * kAmxRows;
+#endif
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+#if defined(EMBER_AMX)
+    std::vector<__m512i> unpacked;  // this thread's tile as B tiles, 512 bytes a block
+    if (amx_rows > 0) {
+      static const TileConfig config;
+      _tile_loadconfig(&config);
+      unpacked.resize(KB * 8);
+    }
+#endif
     for (int64_t t = begin; t < end; ++t) {
-      by_rows(M, [&](auto R, int64_t m) {
+#if defined(EMBER_AMX)
+      if (amx_rows > 0) {
+        auto* b = reinterpret_cast<uint8_t*>(unpacked.data());
+        unpack_int4_tile(wp + t * KB * 256, KB, b);
+        int4_tile_amx(b, sp + t * groups * 2 * kTile, xq.data(), d.data(), dsum.data(), K, group_size / kBlock,
+                      amx_rows / kAmxRows, op + t * kTile, N);
+      }
+#endif
+      by_rows(M - amx_rows, [&](auto R, int64_t m) {
+        m += amx_rows;
         int4_tile<decltype(R)::value>(wp + t * KB * 256, sp + t * groups * 2 * kTile, &xq[m * K], &d[m * KB],
                                       &dsum[m * KB], K, group_size / kBlock, op + m * N + t * kTile, N);
       });
     }
+#if defined(EMBER_AMX)
+    if (amx_rows > 0) _tile_release();
+#endif
   });
   return out;
 }
@@ -431,7 +582,134 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return out;
 }
 
+#if defined(EMBER_AMX) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define EMBER_AMX_BF16 1
+// ---- AMX-BF16: int4 weights as bf16, many rows (prefills) --------------------------------------------------
+//
+// int4_gemm_bf16: y = x @ w.T with x rounded to bf16 and w = q * scale + min (float16 factors) rounded to bf16,
+// summed in float32 by TDPBF16PS. Per block of 32 k the tile unit takes a whole 16 x 16 x 32 product into a C
+// tile that stays there across K (the int8 codes' per-block scales must leave the tile unit every block). A
+// thread dequantizes two tiles of 16 output rows at a time into B tiles (K / 2 rows of 16 pairs of k, in L2)
+// and runs every 32 rows of x against them.
+
+// C (tmm0-3): rows r of chunk c against tile t as 16 x 16 float32; A (tmm4, tmm5) 16 rows of 32 bf16 of x;
+// B (tmm6, tmm7) 32 k of a tile as 16 rows of 16 (k, k + 1) bf16 pairs.
+struct alignas(64) TileConfigBf16 {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
+  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
+};
+
+// One int4 tile (its packed codes and (K/g, 2, 16) scale_min) -> B tiles at b, K / 2 rows of 64 bytes: row
+// k / 2 holds for output row l the pair (w[l][k], w[l][k + 1]) in bf16. Run i of a block holds for row l the
+// codes of k = 4i + j (low nibbles) and 16 + 4i + j (high), j < 4: rows 2i, 2i + 1 and 8 + 2i, 9 + 2i.
+void dequantize_int4_tile_bf16(const uint8_t* w, const at::Half* sm, int64_t KB, int64_t blocks_per_group,
+                               uint8_t* b) {
+  const __m512i byte = _mm512_set1_epi32(0xFF), nibbles = _mm512_set1_epi8(0x0F);
+  // cvtne2ps_pbh(hi, lo) holds lo's 16 values then hi's; row words interleave them: (lo[l], hi[l]).
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                         6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t blk = 0; blk < KB; ++blk) {
+    const at::Half* s = sm + (blk / blocks_per_group) * 2 * kTile;
+    const __m512 scale = load_half(s).v, mn = load_half(s + kTile).v;
+    uint8_t* rows = b + blk * 16 * 64;
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = _mm512_loadu_si512(w + blk * 256 + 64 * i);
+      const __m512i halves[2] = {_mm512_and_si512(v, nibbles), _mm512_and_si512(_mm512_srli_epi16(v, 4), nibbles)};
+      for (int h = 0; h < 2; ++h) {
+        __m512 f[4];
+        for (int j = 0; j < 4; ++j) {
+          const __m512i q = _mm512_and_si512(_mm512_srli_epi32(halves[h], 8 * j), byte);
+          f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, mn);
+        }
+        for (int j = 0; j < 2; ++j) {
+          const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(f[2 * j + 1], f[2 * j]);
+          _mm512_store_si512(rows + (8 * h + 2 * i + j) * 64, _mm512_permutexvar_epi16(pairs, packed));
+        }
+      }
+    }
+  }
+}
+
+at::Tensor int4_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
+                          int64_t group_size) {
+  check_operands(x, packed, 256);
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
+  TORCH_CHECK(group_size % kBlock == 0 && K % group_size == 0, "group size ", group_size, " does not tile K = ", K);
+  const int64_t groups = K / group_size, KB = K / kBlock;
+  TORCH_CHECK(scale_min.scalar_type() == at::kHalf && scale_min.is_contiguous() &&
+                  scale_min.numel() == tiles * groups * 2 * kTile,
+              "scale_min ", scale_min.sizes(), " does not match ", tiles, " tiles of ", groups, " groups");
+  TORCH_CHECK(amx_ready(), "int4_gemm_bf16 needs the tile unit (AMX), which this process may not use");
+  const int64_t chunks = (M + 2 * kAmxRows - 1) / (2 * kAmxRows) * 2;  // 16-row chunks, an even number
+  const int64_t rows = chunks * kAmxRows;
+  // x in bf16, zero rows up to a whole pair of chunks; y likewise padded, its first M rows returned.
+  auto xb = at::zeros({rows, K}, x.options().dtype(at::kBFloat16));
+  xb.narrow(0, 0, M).copy_(x);
+  auto out = at::empty({rows, N}, x.options());
+  const auto* xp = reinterpret_cast<const uint8_t*>(xb.data_ptr());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const at::Half* sp = scale_min.data_ptr<at::Half>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = K * 2, ys = N * 4;  // row strides in bytes
+  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    static const TileConfigBf16 config;
+    _tile_loadconfig(&config);
+    std::vector<__m512i> buffer(2 * KB * 16);  // two tiles' B rows
+    auto* b0 = reinterpret_cast<uint8_t*>(buffer.data());
+    uint8_t* b1 = b0 + KB * 16 * 64;
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t t = 2 * pair;
+      const bool two = t + 1 < tiles;
+      dequantize_int4_tile_bf16(wp + t * KB * 256, sp + t * groups * 2 * kTile, KB, group_size / kBlock, b0);
+      if (two) dequantize_int4_tile_bf16(wp + (t + 1) * KB * 256, sp + (t + 1) * groups * 2 * kTile, KB,
+                                         group_size / kBlock, b1);
+      for (int64_t c = 0; c < chunks; c += 2) {
+        const uint8_t* x0 = xp + c * kAmxRows * xs;
+        const uint8_t* x1 = x0 + kAmxRows * xs;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t blk = 0; blk < KB; ++blk) {
+          _tile_loadd(4, x0 + blk * 64, xs);
+          _tile_loadd(5, x1 + blk * 64, xs);
+          _tile_loadd(6, b0 + blk * 1024, 64);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(1, 5, 6);
+          if (two) {
+            _tile_loadd(7, b1 + blk * 1024, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        auto* y0 = reinterpret_cast<uint8_t*>(op + c * kAmxRows * N + t * kTile);
+        _tile_stored(0, y0, ys);
+        _tile_stored(1, y0 + kAmxRows * ys, ys);
+        if (two) {
+          _tile_stored(2, y0 + 64, ys);
+          _tile_stored(3, y0 + kAmxRows * ys + 64, ys);
+        }
+      }
+    }
+    _tile_release();
+  });
+  return out.narrow(0, 0, M);
+}
+#endif
+
 std::string simd() { return simd_name(); }
+
+// Whether int4_gemm_bf16 runs in this process (built for AMX-BF16, and the tile state granted).
+bool amx_bf16() {
+#if defined(EMBER_AMX_BF16)
+  return amx_ready();
+#else
+  return false;
+#endif
+}
 
 }  // namespace
 
@@ -439,11 +717,19 @@ EMBER_LIBRARY_FRAGMENT(EMBER_CPU_NAMESPACE, m) {
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("simd() -> str");
+  m.def("int4_gemm_bf16(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
+  m.def("amx_bf16() -> bool");
 }
 
 EMBER_LIBRARY_IMPL(EMBER_CPU_NAMESPACE, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("int8_gemv", &int8_gemv);
+#if defined(EMBER_AMX_BF16)
+  m.impl("int4_gemm_bf16", &int4_gemm_bf16);
+#endif
 }
 
-EMBER_LIBRARY_IMPL(EMBER_CPU_NAMESPACE, CompositeExplicitAutograd, m) { m.impl("simd", &simd); }
+EMBER_LIBRARY_IMPL(EMBER_CPU_NAMESPACE, CompositeExplicitAutograd, m) {
+  m.impl("simd", &simd);
+  m.impl("amx_bf16", &amx_bf16);
+}
