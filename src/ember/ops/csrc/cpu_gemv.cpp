@@ -646,8 +646,9 @@ at::Tensor int4_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, const a
   const int64_t chunks = (M + 2 * kAmxRows - 1) / (2 * kAmxRows) * 2;  // 16-row chunks, an even number
   const int64_t rows = chunks * kAmxRows;
   // x in bf16, zero rows up to a whole pair of chunks; y likewise padded, its first M rows returned.
-  auto xb = at::zeros({rows, K}, x.options().dtype(at::kBFloat16));
+  auto xb = at::empty({rows, K}, x.options().dtype(at::kBFloat16));
   xb.narrow(0, 0, M).copy_(x);
+  xb.narrow(0, M, rows - M).zero_();
   auto out = at::empty({rows, N}, x.options());
   const auto* xp = reinterpret_cast<const uint8_t*>(xb.data_ptr());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
