@@ -500,15 +500,24 @@ void check_operands(const at::Tensor& x, const at::Tensor& packed, int64_t bytes
               "packed weights ", packed.sizes(), " do not match K = ", x.size(1));
 }
 
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
-                     int64_t group_size) {
+// The int4 kernels' operands: x and the packed codes (check_operands), and a group size and scale_min that
+// tile them.
+void check_int4_operands(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
+                         int64_t group_size) {
   check_operands(x, packed, 256);
-  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
+  const int64_t K = x.size(1), tiles = packed.size(0);
   TORCH_CHECK(group_size % kBlock == 0 && K % group_size == 0, "group size ", group_size, " does not tile K = ", K);
-  const int64_t groups = K / group_size, KB = K / kBlock;
+  const int64_t groups = K / group_size;
   TORCH_CHECK(scale_min.scalar_type() == at::kHalf && scale_min.is_contiguous() &&
                   scale_min.numel() == tiles * groups * 2 * kTile,
               "scale_min ", scale_min.sizes(), " does not match ", tiles, " tiles of ", groups, " groups");
+}
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
+                     int64_t group_size) {
+  check_int4_operands(x, packed, scale_min, group_size);
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
+  const int64_t groups = K / group_size, KB = K / kBlock;
   auto out = at::empty({M, N}, x.options());
   std::vector<int8_t> xq(M * K);
   std::vector<float> d(M * KB), dsum(M * KB);
@@ -635,13 +644,9 @@ void dequantize_int4_tile_bf16(const uint8_t* w, const at::Half* sm, int64_t KB,
 
 at::Tensor int4_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
                           int64_t group_size) {
-  check_operands(x, packed, 256);
+  check_int4_operands(x, packed, scale_min, group_size);
   const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
-  TORCH_CHECK(group_size % kBlock == 0 && K % group_size == 0, "group size ", group_size, " does not tile K = ", K);
   const int64_t groups = K / group_size, KB = K / kBlock;
-  TORCH_CHECK(scale_min.scalar_type() == at::kHalf && scale_min.is_contiguous() &&
-                  scale_min.numel() == tiles * groups * 2 * kTile,
-              "scale_min ", scale_min.sizes(), " does not match ", tiles, " tiles of ", groups, " groups");
   TORCH_CHECK(amx_ready(), "int4_gemm_bf16 needs the tile unit (AMX), which this process may not use");
   const int64_t chunks = (M + 2 * kAmxRows - 1) / (2 * kAmxRows) * 2;  // 16-row chunks, an even number
   const int64_t rows = chunks * kAmxRows;
