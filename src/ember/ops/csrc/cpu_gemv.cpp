@@ -333,6 +333,12 @@ float quantize_row(const float* x, int64_t K, int8_t* xq, int32_t* sum) {
 
 // ---- tiles --------------------------------------------------------------------------------------------
 
+// acc + one block's integer sums of a row, scaled: d * scale * sum + (d * sum(xq)) * min. The vector and the
+// tile paths both call it, so that their outputs are the same bits.
+inline F16x add_block(F16x acc, I16 sums, F16x scale, F16x mn, float d, float dsum) {
+  return fma(mn, fset(dsum), fma(to_float(sums), fmul_scalar(scale, d), acc));
+}
+
 // R activation rows (at xq + r * K) against one int4 tile: out[r * N + l] for its 16 rows l.
 template <int R>
 void int4_tile(const uint8_t* w, const at::Half* sm, const int8_t* xq, const float* d, const float* dsum,
@@ -355,7 +361,7 @@ void int4_tile(const uint8_t* w, const at::Half* sm, const int8_t* xq, const flo
     const at::Half* s = sm + (b / blocks_per_group) * 2 * kTile;
     const F16x scale = load_half(s), mn = load_half(s + kTile);
     for (int r = 0; r < R; ++r)
-      acc[r] = fma(mn, fset(dsum[r * KB + b]), fma(to_float(sums[r]), fmul_scalar(scale, d[r * KB + b]), acc[r]));
+      acc[r] = add_block(acc[r], sums[r], scale, mn, d[r * KB + b], dsum[r * KB + b]);
   }
   for (int r = 0; r < R; ++r) store(out + r * N, acc[r]);
 }
@@ -422,13 +428,11 @@ void unpack_int4_tile(const uint8_t* w, int64_t KB, uint8_t* b) {
   }
 }
 
-// acc[r] of 16 rows from one block's int32 sums (C tile stored at c): the vector path's int4_tile arithmetic.
+// acc[r] of 16 rows from one block's int32 sums (C tile stored at c).
 inline void amx_scale_block(const int32_t* c, const F16x& scale, const F16x& mn, const float* d, const float* dsum,
                             int64_t KB, int64_t b, F16x* acc) {
-  for (int r = 0; r < kAmxRows; ++r) {
-    const I16 sums{_mm512_load_si512(c + 16 * r)};
-    acc[r] = fma(mn, fset(dsum[r * KB + b]), fma(to_float(sums), fmul_scalar(scale, d[r * KB + b]), acc[r]));
-  }
+  for (int r = 0; r < kAmxRows; ++r)
+    acc[r] = add_block(acc[r], I16{_mm512_load_si512(c + 16 * r)}, scale, mn, d[r * KB + b], dsum[r * KB + b]);
 }
 
 // Rows [0, 16 * chunks) of xq against one int4 tile whose codes are unpacked at b: out[r * N + l]. Blocks go
