@@ -5,7 +5,7 @@
   (AVX512-VNNI, AVX-VNNI or AVX2);
 - `int4_gemm_bf16` (`csrc/cpu_gemv.cpp`, on CPUs with AMX-BF16: Sapphire Rapids and later): a prefill's
   rows against int4 weights on the tile unit, the weights dequantized to bf16 a tile at a time and x rounded
-  to bf16, float32 sums; from `AMX_BF16_ROWS` rows it takes 0.55-0.7x the time of `int4_gemv` (which itself
+  to bf16, float32 sums; from `AMX_BF16_ROWS` rows it takes 0.47-0.98x the time of `int4_gemv` (which itself
   runs its many-row sums on the tile unit there, bit for bit as its vector path: BENCHMARKS.md);
 - `decode_attention` and `paged_decode_attention` (`csrc/cpu_attention.cpp`): one query token a row over a
   static or a paged KV cache, reading only the slots the row sees.
@@ -52,8 +52,9 @@ TILE = 16  # output rows of a tile: N must be a multiple
 BLOCK = 32  # k of an activation block (int4) and of a tile's run of bytes: K must be a multiple
 INT8_MAX_K = 1 << 16  # int8 sums stay inside int32 up to this K
 # From this many rows an int4 projection runs `int4_gemm_bf16` where it can (`amx_bf16`): below, dequantizing
-# the weights costs more than the tile unit saves (SmolLM2's projections, 2 threads of a Xeon with AMX: even at
-# 48 rows, 0.67-0.85x the time at 64, 0.55-0.7x at 128; BENCHMARKS.md).
+# the weights costs more than the tile unit saves (SmolLM2's projections against `int4_gemv`, 2 threads of a
+# Xeon with AMX: gate/up even at 48 rows; at 64, 0.68-0.72x the time for gate/up and down, qkv and o even; at
+# 128, 0.47-0.98x; BENCHMARKS.md).
 AMX_BF16_ROWS = 64
 ENV = "EMBER_CPU_KERNELS"
 
