@@ -235,15 +235,22 @@ def quantize_blocks(x: torch.Tensor) -> torch.Tensor:
     return (codes * (amax / 127.0)).reshape(M, K)
 
 
+def _int4_weights(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """The (N, K) float32 weights the int4 kernels multiply: q * scale + min, scale and min rounded to float16."""
+    N, G = scales.shape
+    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(N, G, group_size).float()
+    s, m = (t.to(torch.float16).float()[..., None] for t in (scales, mins))
+    return (codes * s + m).reshape(N, -1)
+
+
 def int4_reference(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """`int4_gemv` in plain torch, from the canonical operands: the activations quantized per block of 32,
     times the weights q * scale + min with scale and min rounded to float16 (the kernel's)."""
-    N, G = scales.shape
-    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(N, G, group_size).float()
-    s, m = (t.to(torch.float16).float()[..., None] for t in (scales, mins))
-    return F.linear(quantize_blocks(x.float()), (codes * s + m).reshape(N, -1))
+    return F.linear(quantize_blocks(x.float()), _int4_weights(qweight, scales, mins, group_size))
 
 
 def int4_bf16_reference(
@@ -251,10 +258,7 @@ def int4_bf16_reference(
 ) -> torch.Tensor:
     """`int4_gemm_bf16` in plain torch: x rounded to bf16, the weights q * scale + min (float16 scale and min)
     rounded to bf16, float32 sums."""
-    N, G = scales.shape
-    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(N, G, group_size).float()
-    s, m = (t.to(torch.float16).float()[..., None] for t in (scales, mins))
-    w = (codes * s + m).reshape(N, -1).to(torch.bfloat16).float()
+    w = _int4_weights(qweight, scales, mins, group_size).to(torch.bfloat16).float()
     return F.linear(x.to(torch.bfloat16).float(), w)
 
 

@@ -405,15 +405,18 @@ bool amx_ready() {
   return ready;
 }
 
-// The tile shapes: C (tmm0, tmm1) 16 rows of 16 int32; A (tmm2, tmm3) 16 rows of a block's 32 int8 codes;
-// B (tmm4, tmm5) a block's 32 k as 8 rows of 4 k for each of the 16 output rows.
+// LDTILECFG's operand: each tile's bytes a row and rows (palette 1).
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
   uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 32, 32, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 8, 8};
+  uint16_t colsb[16];
+  uint8_t rows[16];
 };
+
+// int4_gemv's tiles: C (tmm0, tmm1) 16 rows of 16 int32; A (tmm2, tmm3) 16 rows of a block's 32 int8 codes;
+// B (tmm4, tmm5) a block's 32 k as 8 rows of 4 k for each of the 16 output rows.
+const TileConfig kCodeTiles{.colsb = {64, 64, 32, 32, 64, 64}, .rows = {16, 16, 16, 16, 8, 8}};
 
 // One int4 tile's codes (K/32 blocks of 4 runs of 64 bytes, low and high nibbles) -> B tiles, 512 bytes a
 // block: row i < 4 holds k = 4i + t of each output row (low nibbles of run i), row 4 + i k = 16 + 4i + t.
@@ -540,8 +543,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 #if defined(EMBER_AMX)
     std::vector<__m512i> unpacked;  // this thread's tile as B tiles, 512 bytes a block
     if (amx_rows > 0) {
-      static const TileConfig config;
-      _tile_loadconfig(&config);
+      _tile_loadconfig(&kCodeTiles);
       unpacked.resize(KB * 8);
     }
 #endif
@@ -607,13 +609,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 
 // C (tmm0-3): rows r of chunk c against tile t as 16 x 16 float32; A (tmm4, tmm5) 16 rows of 32 bf16 of x;
 // B (tmm6, tmm7) 32 k of a tile as 16 rows of 16 (k, k + 1) bf16 pairs.
-struct alignas(64) TileConfigBf16 {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {64, 64, 64, 64, 64, 64, 64, 64};
-  uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
-};
+const TileConfig kBf16Tiles{.colsb = {64, 64, 64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
 
 // One int4 tile (its packed codes and (K/g, 2, 16) scale_min) -> B tiles at b, K / 2 rows of 64 bytes: row
 // k / 2 holds for output row l the pair (w[l][k], w[l][k + 1]) in bf16. Run i of a block holds for row l the
@@ -674,8 +670,7 @@ at::Tensor int4_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, const a
   float* op = out.data_ptr<float>();
   const int64_t xs = K * 2, ys = N * 4;  // row strides in bytes
   at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
-    static const TileConfigBf16 config;
-    _tile_loadconfig(&config);
+    _tile_loadconfig(&kBf16Tiles);
     std::vector<__m512i> buffer(2 * KB * 16);  // two tiles' B rows
     auto* b0 = reinterpret_cast<uint8_t*>(buffer.data());
     uint8_t* b1 = b0 + KB * 16 * 64;
