@@ -45,7 +45,10 @@ KERNELS = {  # arm key: (module holding SOURCE, the file in the repository)
 
 
 def sources_at(rev: str, into: Path) -> dict[str, Path]:
-    """Each kernel's source as it is at git revision `rev`, written under `into`."""
+    """Each kernel's source as it is at git revision `rev`, written under `into`; or, where `rev` is a folder,
+    the files in it named as the repository names them (for a copy of the tree without its git history)."""
+    if Path(rev).is_dir():
+        return {key: Path(rev) / Path(path).name for key, (_, path) in KERNELS.items()}
     out = {}
     for key, (_, path) in KERNELS.items():
         text = subprocess.run(
@@ -90,7 +93,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", nargs="*", default=["int4", "int8"], help="bf16, int8, int4, int4-gN")
     ap.add_argument("--shape", default="llama-3-8b", help="a random-weight shape of `ember bench`")
-    ap.add_argument("--baseline", default="HEAD", help="git revision of the baseline arm's kernels")
+    ap.add_argument(
+        "--baseline",
+        default="HEAD",
+        help="git revision of the baseline arm's kernels, or a folder holding them",
+    )
     for key in KERNELS:
         ap.add_argument(
             f"--{key}", type=Path, help=f"the candidate's {key} kernel (default: the working tree's)"
