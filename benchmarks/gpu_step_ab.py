@@ -6,15 +6,15 @@ candidate arm from the working tree, or from the files given (`--attention`, `--
 decode one random-weight model (Llama-3-8B shape unless `--shape`), each through a Generator of its own,
 whose decode graph is captured with its arm's kernels; the timed runs alternate between the arms, so slow
 drifts of the machine fall on both. The GEMV tuner picks block shapes once per shape and arm. `--set
-MODULE.NAME=VALUE` sets a module constant for the candidate arm only (say, offering the tuner more block
-shapes: `--set ember.quant.cuda_int4.ASYNC_OFFERED=True`). Steps are timed as `ember bench` times them
+MODULE.NAME=VALUE` sets a module constant for the candidate arm only (say, offering the tuner fewer block
+shapes: `--set ember.quant.cuda_int4.LEAN_OFFERED=False`). Steps are timed as `ember bench` times them
 (128-token prompt, 256 tokens, compiled); the table gives each arm's median step, the change, and whether
 the arms gave the same greedy tokens (a kernel that rounds differently may not).
 
     python benchmarks/gpu_step_ab.py --configs int4 int8                    # working tree against HEAD
     python benchmarks/gpu_step_ab.py --baseline HEAD~1 --configs int4       # what the last commit changed
     python benchmarks/gpu_step_ab.py --attention /tmp/candidate.cu          # one candidate file
-    python benchmarks/gpu_step_ab.py --set ember.quant.cuda_int4.ASYNC_OFFERED=True --configs int4
+    python benchmarks/gpu_step_ab.py --set ember.quant.cuda_int4.LEAN_OFFERED=False --configs int4
 
 Both arms launch through the working tree's Python, so a baseline's kernels must take its template arguments
 (the int4 GEMV's gained ASYNC at 964d4f7: older revisions cannot stand in for it), and include

@@ -59,10 +59,9 @@ LEAN_MAX_STEPS = 2
 # Whether the tuner times the LEAN configurations too (GPU tests passed on an H100; it took one for down, and
 # the int4-g128 step went 2086 -> 2060 us: BENCHMARKS.md, twenty-fourth session).
 LEAN_OFFERED = True
-# Whether the tuner times the ASYNC configurations too: not before they have run on a GPU (written in the
-# twenty-seventh session without one: the GPU tests cover them, and benchmarks/gpu_gemv.py --kinds int4cu
-# times them; the other kernels' machine code is unchanged by the ASYNC branches, NVRTC, sm_90).
-ASYNC_OFFERED = False
+# Whether the tuner times the ASYNC configurations too (GPU tests passed on an H100; offered, the int4-g128
+# step went 2016.2 -> 2007.4 us there, same tokens: BENCHMARKS.md, twenty-ninth session).
+ASYNC_OFFERED = True
 ASYNC_SHARED = 48 * 1024  # static shared memory a block may declare
 
 
