@@ -110,6 +110,59 @@ def test_int4_gemm_bf16_is_its_twin(group_size, rows, N):
     assert (got - exact).abs().mean() < codes_err
 
 
+@pytest.mark.parametrize("group_size", [32, 256])
+@pytest.mark.parametrize("rows,N", [(1, 64), (17, 96), (64, 64), (100, 160)])
+def test_int4_silu_gate_up_bf16_is_its_twin(group_size, rows, N):
+    """silu(gate) * up applied to int4_gemm_bf16's sums (gate rows over up rows) as they leave the tile unit:
+    gate tiles paired with their up tiles, an odd number of pairs, large sums of either sign."""
+    amx, _ = amx_builds()
+    torch.manual_seed(group_size + rows)
+    K = 512
+    codes, scales, mins = quantize_int4_grouped(torch.randn(N, K) * 0.05, group_size)
+    qweight = pack_nibbles(codes)
+    tiles, scale_min = cpu_ext.int4_tiles(qweight, scales, mins)
+    x = activations(rows, K) * 8  # sums past the exponent's clamp (|gate| > 88) in both directions
+    got = amx.int4_silu_gate_up_bf16(x, tiles, scale_min, group_size)
+    assert got.shape == (rows, N // 2) and got.is_contiguous()
+    want = cpu_ext.int4_silu_gate_up_bf16_reference(x, qweight, scales, mins, group_size)
+    gate = cpu_ext.int4_bf16_reference(x, qweight, scales, mins, group_size)[:, : N // 2]
+    assert gate.abs().max() > 88
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    with pytest.raises(RuntimeError, match="whole tiles of 16 rows; got 48 rows"):
+        amx.int4_silu_gate_up_bf16(x, tiles[:3], scale_min[:3], group_size)
+
+
+def test_int4_gate_up_takes_the_fused_activation_from_amx_bf16_rows():
+    """An int4 MLP's gate/up and its activation run as one kernel from AMX_BF16_ROWS rows, eager and compiled
+    alike; fewer rows run the projection, then the activation."""
+    amx_builds()
+    from torch._inductor.utils import run_and_get_code
+
+    from ember.ops.linear import silu_gate_up
+
+    torch._dynamo.reset()
+    q = QuantSpec.parse("int4-g32").make(nn.Linear(128, 96, bias=False))
+    q.prepare()
+    args = (q.qweight, q.scales, q.mins, 32)
+    compiled = torch.compile(silu_gate_up, dynamic=True)
+    with torch.no_grad():
+        for rows, fused in ((cpu_ext.AMX_BF16_ROWS - 1, False), (cpu_ext.AMX_BF16_ROWS, True), (150, True)):
+            x = torch.randn(rows, 128)
+            y = silu_gate_up(q, x)
+            if fused:
+                want = cpu_ext.int4_silu_gate_up_bf16_reference(x, *args)
+            else:
+                gate, up = cpu_ext.int4_reference(x, *args).chunk(2, dim=-1)
+                want = torch.nn.functional.silu(gate) * up
+            assert (y - want).abs().max() <= 1e-5 * want.abs().max()
+            got, code = run_and_get_code(compiled, q, x)
+            assert ("ember_cpu.int4_silu_gate_up_bf16" in "".join(code)) == fused
+            if fused:  # one op, eager or compiled
+                assert torch.equal(got, y)
+            else:  # inductor's silu and aten's may differ in the last bit
+                assert (got - y).abs().max() <= 1e-6 * y.abs().max()
+
+
 def test_int4_projections_take_the_tile_unit_from_amx_bf16_rows():
     """A prefill's rows (from AMX_BF16_ROWS) run int4_gemm_bf16, eager and compiled alike; fewer rows keep the
     int8 codes."""

@@ -7,6 +7,8 @@
   rows against int4 weights on the tile unit, the weights dequantized to bf16 a tile at a time and x rounded
   to bf16, float32 sums; from `AMX_BF16_ROWS` rows it takes 0.47-0.98x the time of `int4_gemv` (which itself
   runs its many-row sums on the tile unit there, bit for bit as its vector path: BENCHMARKS.md);
+  `int4_silu_gate_up_bf16` sums a gate/up projection so and applies SwiGLU's activation to the sums as they
+  leave the tile unit (its output half the width, and no pass of its own);
 - `decode_attention` and `paged_decode_attention` (`csrc/cpu_attention.cpp`): one query token a row over a
   static or a paged KV cache, reading only the slots the row sees.
 
@@ -18,8 +20,8 @@ cores. `available()` is False off x86, on CPUs with neither AVX2 nor VNNI, when 
 found (one log line says why) and with EMBER_CPU_KERNELS=0: callers then keep torch's kernels.
 
 Layouts (tiles of 16 output rows; see the C++ source): `int4_tiles` and `int8_tiles` build them from the
-canonical codes; `int4_reference`, `int4_bf16_reference` and `int8_reference` are the plain-torch twins the
-tests hold them to (decode attention's is `ember.ops.decode_attention.attend_reference`). EMBER_CPU_AMX=0 keeps
+canonical codes; `int4_reference`, `int4_bf16_reference` (and `int4_silu_gate_up_bf16_reference`) and
+`int8_reference` are the plain-torch twins the tests hold them to (decode attention's is `ember.ops.decode_attention.attend_reference`). EMBER_CPU_AMX=0 keeps
 the tile unit out of it (to compare).
 
 Shape legend: M rows of activations, K input features, N output features, g group size.
@@ -149,6 +151,7 @@ def load(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> str:
             fakes = (
                 ("int4_gemv", _int4_fake),
                 ("int4_gemm_bf16", _int4_fake),
+                ("int4_silu_gate_up_bf16", _int4_glu_fake),
                 ("int8_gemv", _int8_fake),
                 ("decode_attention", _attention_fake),
                 ("paged_decode_attention", _attention_fake),
@@ -187,6 +190,10 @@ def amx_bf16() -> bool:
 
 def _int4_fake(x, packed, scale_min, group_size):
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)
+
+
+def _int4_glu_fake(x, packed, scale_min, group_size):
+    return x.new_empty(x.shape[0], packed.shape[0] * TILE // 2)
 
 
 def _int8_fake(x, packed, scales):
@@ -260,6 +267,15 @@ def int4_bf16_reference(
     rounded to bf16, float32 sums."""
     w = _int4_weights(qweight, scales, mins, group_size).to(torch.bfloat16).float()
     return F.linear(x.to(torch.bfloat16).float(), w)
+
+
+def int4_silu_gate_up_bf16_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """`int4_silu_gate_up_bf16` in plain torch: silu(gate) * up of `int4_bf16_reference`'s sums (gate rows over
+    up rows)."""
+    gate, up = int4_bf16_reference(x, qweight, scales, mins, group_size).chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def int8_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

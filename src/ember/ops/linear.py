@@ -53,16 +53,17 @@ def silu_gate_up(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of a fused gate/up projection `module` (gate rows over up rows); x (..., K) -> (..., I).
 
     One row on CUDA through a module with float or int8 weights and no bias (`gemv_operands`), or int4 weights
-    on the CUDA C++ GEMV (`fused_silu_gate_up`), runs as one GEMV that applies the activation as it stores;
-    where the module's GEMV splits K (int4, `split_forward`), one kernel adds its partial sums and applies the
-    activation; anything else runs the projection, then the activation.
+    on the CUDA C++ GEMV, runs as one GEMV that applies the activation as it stores, as does a prefill's
+    int4 projection on a CPU's tile unit (both `fused_silu_gate_up`); where the module's GEMV splits K (int4,
+    `split_forward`), one kernel adds its partial sums and applies the activation; anything else runs the
+    projection, then the activation.
     """
     one_row = one_row_on_cuda(x)
     operands = module.gemv_operands() if one_row and hasattr(module, "gemv_operands") else None
     if operands is not None:
         return kernels.silu_gate_up(x.reshape(1, -1), *operands).reshape(*x.shape[:-1], -1)
-    fused = module.fused_silu_gate_up(x) if one_row and hasattr(module, "fused_silu_gate_up") else None
-    if fused is not None:  # int4 on the CUDA C++ GEMV: the activation applied as it stores
+    fused = module.fused_silu_gate_up(x) if hasattr(module, "fused_silu_gate_up") else None
+    if fused is not None:
         return fused
     y = project(module, x, split=one_row)
     if isinstance(y, kernels.SplitSum):  # a split GEMV's partials: summed by the activation's kernel

@@ -424,12 +424,22 @@ class Int4WeightOnlyLinear(QuantLinear):
         return tuple((codes * scale + low_min).reshape(N, K // 2) for codes in (low, high))
 
     def fused_silu_gate_up(self, x: torch.Tensor) -> torch.Tensor | None:
-        """silu(gate) * up for one decode row, as one kernel, where this module is a gate/up projection (gate
-        rows over up rows) that the CUDA C++ int4 GEMV runs over whole rows (`ember.quant.cuda_int4`); else
-        None."""
-        if not self._whole_rows or self.bias is not None or (self.out_features // 2) % 16:
+        """silu(gate) * up as one kernel that applies the activation to the sums as it stores them, where this
+        module is a gate/up projection (gate rows over up rows, no bias) and one runs: one decode row on CUDA
+        through the CUDA C++ int4 GEMV over whole rows (`ember.quant.cuda_int4`), or a prefill's rows on the
+        CPU's tile unit (`cpu_ext.int4_silu_gate_up_bf16`, from `cpu_ext.AMX_BF16_ROWS` rows as `forward`);
+        else None."""
+        if self.bias is not None or (self.out_features // 2) % 16:
             return None
-        y = kernels.int4_mma_silu_gate_up(x.reshape(1, -1), self._words, self._msz, self.group_size)
+        x2 = x.reshape(-1, self.in_features)
+        if self._whole_rows and x2.shape[0] == 1:
+            y = kernels.int4_mma_silu_gate_up(x2, self._words, self._msz, self.group_size)
+        elif self._amx_bf16 and x2.shape[0] >= cpu_ext.AMX_BF16_ROWS:
+            y = torch.ops.ember_cpu.int4_silu_gate_up_bf16(
+                x2.float().contiguous(), self._tiles, self._scale_min, self.group_size
+            ).to(x.dtype)
+        else:
+            return None
         return y.reshape(*x.shape[:-1], -1)
 
     def split_forward(self, x: torch.Tensor) -> torch.Tensor | kernels.SplitSum:

@@ -642,12 +642,34 @@ void dequantize_int4_tile_bf16(const uint8_t* w, const at::Half* sm, int64_t KB,
   }
 }
 
-at::Tensor int4_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
-                          int64_t group_size) {
+// silu(g) * u, 16 lanes: g / (1 + e^-g) * u, with e^-g as 2^n * 2^f (f in [-0.5, 0.5], its Taylor series to
+// degree 7; 2^n by scalef), the exponent clamped to +-88 (past it silu is g, or 0 to float precision).
+inline __m512 silu_mul(__m512 g, __m512 u) {
+  const __m512 clamped = _mm512_min_ps(_mm512_max_ps(g, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
+  const __m512 t = _mm512_mul_ps(clamped, _mm512_set1_ps(-1.44269504088896341f));  // -g log2(e)
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.525273e-05f);
+  for (const float c : {1.540353e-04f, 1.333355e-03f, 9.618129e-03f, 5.550411e-02f, 2.402265e-01f, 6.931472e-01f,
+                        1.0f}) {
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  }
+  const __m512 e = _mm512_scalef_ps(p, n);
+  return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+}
+
+// kGlu: w holds a gate/up projection (gate rows over up rows); y = silu(gate) * up (rows, N / 2), a thread
+// taking gate tile t with up tile t + tiles / 2, so that the activation is applied to the sums as they leave the
+// tile unit. Else y = x @ w.T (rows, N), a thread taking tiles 2t and 2t + 1.
+template <bool kGlu>
+at::Tensor int4_gemm_bf16_tiles(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
+                                int64_t group_size) {
   check_int4_operands(x, packed, scale_min, group_size);
   const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
   const int64_t groups = K / group_size, KB = K / kBlock;
   TORCH_CHECK(amx_ready(), "int4_gemm_bf16 needs the tile unit (AMX), which this process may not use");
+  TORCH_CHECK(!kGlu || tiles % 2 == 0, "a gate/up projection needs gate and up of whole tiles of ", kTile,
+              " rows; got ", N, " rows");
   const int64_t chunks = (M + 2 * kAmxRows - 1) / (2 * kAmxRows) * 2;  // 16-row chunks, an even number
   const int64_t rows = chunks * kAmxRows;
   // x in bf16, zero rows up to a whole pair of chunks; y likewise padded, its first M rows returned.
@@ -663,22 +685,25 @@ at::Tensor int4_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, const a
       }
     }
   });
-  auto out = at::empty({rows, N}, x.options());
+  const int64_t width = kGlu ? N / 2 : N;  // of y
+  auto out = at::empty({rows, width}, x.options());
   const auto* xp = reinterpret_cast<const uint8_t*>(xb.data());
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const at::Half* sp = scale_min.data_ptr<at::Half>();
   float* op = out.data_ptr<float>();
-  const int64_t xs = K * 2, ys = N * 4;  // row strides in bytes
-  at::parallel_for(0, (tiles + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+  const int64_t xs = K * 2, ys = width * 4;  // row strides in bytes
+  const int64_t pairs = kGlu ? tiles / 2 : (tiles + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     _tile_loadconfig(&kBf16Tiles);
     std::vector<__m512i> buffer(2 * KB * 16);  // two tiles' B rows
     auto* b0 = reinterpret_cast<uint8_t*>(buffer.data());
     uint8_t* b1 = b0 + KB * 16 * 64;
+    alignas(64) float sums[4][kAmxRows][kTile];  // kGlu: the C tiles on their way to the activation
     for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t t = 2 * pair;
-      const bool two = t + 1 < tiles;
+      const int64_t t = kGlu ? pair : 2 * pair, t1 = kGlu ? pair + tiles / 2 : t + 1;
+      const bool two = t1 < tiles;
       dequantize_int4_tile_bf16(wp + t * KB * 256, sp + t * groups * 2 * kTile, KB, group_size / kBlock, b0);
-      if (two) dequantize_int4_tile_bf16(wp + (t + 1) * KB * 256, sp + (t + 1) * groups * 2 * kTile, KB,
+      if (two) dequantize_int4_tile_bf16(wp + t1 * KB * 256, sp + t1 * groups * 2 * kTile, KB,
                                          group_size / kBlock, b1);
       for (int64_t c = 0; c < chunks; c += 2) {
         const uint8_t* x0 = xp + c * kAmxRows * xs;
@@ -699,18 +724,42 @@ at::Tensor int4_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, const a
             _tile_dpbf16ps(3, 5, 7);
           }
         }
-        auto* y0 = reinterpret_cast<uint8_t*>(op + c * kAmxRows * N + t * kTile);
-        _tile_stored(0, y0, ys);
-        _tile_stored(1, y0 + kAmxRows * ys, ys);
-        if (two) {
-          _tile_stored(2, y0 + 64, ys);
-          _tile_stored(3, y0 + kAmxRows * ys + 64, ys);
+        if constexpr (kGlu) {
+          _tile_stored(0, sums[0], kTile * 4);
+          _tile_stored(1, sums[1], kTile * 4);
+          _tile_stored(2, sums[2], kTile * 4);
+          _tile_stored(3, sums[3], kTile * 4);
+          for (int h = 0; h < 2; ++h) {
+            float* y = op + (c + h) * kAmxRows * width + t * kTile;
+            for (int r = 0; r < kAmxRows; ++r) {
+              _mm512_storeu_ps(y + r * width, silu_mul(_mm512_load_ps(sums[h][r]), _mm512_load_ps(sums[2 + h][r])));
+            }
+          }
+        } else {
+          auto* y0 = reinterpret_cast<uint8_t*>(op + c * kAmxRows * N + t * kTile);
+          _tile_stored(0, y0, ys);
+          _tile_stored(1, y0 + kAmxRows * ys, ys);
+          if (two) {
+            _tile_stored(2, y0 + 64, ys);
+            _tile_stored(3, y0 + kAmxRows * ys + 64, ys);
+          }
         }
       }
     }
     _tile_release();
   });
   return out.narrow(0, 0, M);
+}
+
+at::Tensor int4_gemm_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
+                          int64_t group_size) {
+  return int4_gemm_bf16_tiles<false>(x, packed, scale_min, group_size);
+}
+
+// silu(gate) * up of a gate/up projection (gate rows over up rows), as int4_gemm_bf16 sums them.
+at::Tensor int4_silu_gate_up_bf16(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
+                                  int64_t group_size) {
+  return int4_gemm_bf16_tiles<true>(x, packed, scale_min, group_size);
 }
 #endif
 
@@ -732,6 +781,7 @@ EMBER_LIBRARY_FRAGMENT(EMBER_CPU_NAMESPACE, m) {
   m.def("int8_gemv(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("simd() -> str");
   m.def("int4_gemm_bf16(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
+  m.def("int4_silu_gate_up_bf16(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
   m.def("amx_bf16() -> bool");
 }
 
@@ -740,6 +790,7 @@ EMBER_LIBRARY_IMPL(EMBER_CPU_NAMESPACE, CPU, m) {
   m.impl("int8_gemv", &int8_gemv);
 #if defined(EMBER_AMX_BF16)
   m.impl("int4_gemm_bf16", &int4_gemm_bf16);
+  m.impl("int4_silu_gate_up_bf16", &int4_silu_gate_up_bf16);
 #endif
 }
 
