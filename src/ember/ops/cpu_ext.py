@@ -7,8 +7,8 @@
   rows against int4 weights on the tile unit, the weights dequantized to bf16 a tile at a time and x rounded
   to bf16, float32 sums; from `AMX_BF16_ROWS` rows it takes 0.47-0.98x the time of `int4_gemv` (which itself
   runs its many-row sums on the tile unit there, bit for bit as its vector path: BENCHMARKS.md);
-  `int4_silu_gate_up_bf16` sums a gate/up projection so and applies SwiGLU's activation to the sums as they
-  leave the tile unit (its output half the width, and no pass of its own);
+  `int4_silu_gate_up_bf16` is the same for a gate/up projection, with SwiGLU's activation applied to the
+  sums as they leave the tile unit (its output half the width, and no pass of its own);
 - `decode_attention` and `paged_decode_attention` (`csrc/cpu_attention.cpp`): one query token a row over a
   static or a paged KV cache, reading only the slots the row sees.
 
@@ -21,8 +21,8 @@ found (one log line says why) and with EMBER_CPU_KERNELS=0: callers then keep to
 
 Layouts (tiles of 16 output rows; see the C++ source): `int4_tiles` and `int8_tiles` build them from the
 canonical codes; `int4_reference`, `int4_bf16_reference` (and `int4_silu_gate_up_bf16_reference`) and
-`int8_reference` are the plain-torch twins the tests hold them to (decode attention's is `ember.ops.decode_attention.attend_reference`). EMBER_CPU_AMX=0 keeps
-the tile unit out of it (to compare).
+`int8_reference` are the plain-torch twins the tests hold them to (decode attention's is
+`ember.ops.decode_attention.attend_reference`). EMBER_CPU_AMX=0 keeps the tile unit out of it (to compare).
 
 Shape legend: M rows of activations, K input features, N output features, g group size.
 """
