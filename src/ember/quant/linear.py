@@ -323,8 +323,8 @@ class Int4WeightOnlyLinear(QuantLinear):
           (`kernels.int4_mma_fits`: groups of 64 or more), Ember's tensor-core GEMV up to 8 rows
           (`ember.quant.triton_mma`; K split into `triton_mma.row_splits` runs where N is small; or, where it
           builds, its CUDA C++ twin over whole rows, `ember.quant.cuda_int4`, which also fuses a gate/up
-          projection's SwiGLU: `fused_silu_gate_up`), a Triton dequantize and torch's matmul for more. On an H200 it reads Llama-3-8B's projections in 57-77% of
-          the tiled kernel's time, and the compiled int4-g128 step decodes 443 tok/s against 405 (BENCHMARKS.md).
+          projection's SwiGLU: `fused_silu_gate_up`), a Triton dequantize and torch's matmul for more. On an
+          H200 it reads Llama-3-8B's projections in 57-77% of the tiled kernel's time, and the compiled int4-g128 step decodes 443 tok/s against 405 (BENCHMARKS.md).
         - "tiled": on CUDA for the rest (groups of 32; other GPUs) where K splits into tiles of 8 groups
           (`kernels.int4_tiles`), Ember's tiled GEMV
           (`ember.quant.kernels.int4_tiled_linear`; codes read as subnormal floats, K split where N is small);
@@ -335,7 +335,8 @@ class Int4WeightOnlyLinear(QuantLinear):
         - "cpu_dot": on CPUs with AVX2 or VNNI, Ember's C++ kernel (`ember.ops.cpu_ext`): activations
           quantized to int8 per block of 32 and integer dot products with the codes, at any number of rows
           (from `cpu_ext.AMX_BF16_ROWS` rows on CPUs with AMX-BF16, bf16 activations and weights on the tile
-          unit instead: `cpu_ext.int4_gemm_bf16`).
+          unit instead: `cpu_ext.int4_gemm_bf16`, and for a gate/up projection with SwiGLU's activation
+          applied as the sums are stored, `fused_silu_gate_up`).
           On a 2-core Zen 4 it runs SmolLM2's projections at one row in 0.26-0.43x the time of torch's kernel
           and at 16 in 0.29-0.41x; a compiled prefill with it takes 0.56x (128 tokens) to 0.69x (500) the
           time of the dequantize + bf16 GEMM path below (BENCHMARKS.md).
