@@ -324,7 +324,8 @@ class Int4WeightOnlyLinear(QuantLinear):
           (`ember.quant.triton_mma`; K split into `triton_mma.row_splits` runs where N is small; or, where it
           builds, its CUDA C++ twin over whole rows, `ember.quant.cuda_int4`, which also fuses a gate/up
           projection's SwiGLU: `fused_silu_gate_up`), a Triton dequantize and torch's matmul for more. On an
-          H200 it reads Llama-3-8B's projections in 57-77% of the tiled kernel's time, and the compiled int4-g128 step decodes 443 tok/s against 405 (BENCHMARKS.md).
+          H200 it reads Llama-3-8B's projections in 57-77% of the tiled kernel's time, and the compiled
+          int4-g128 step decodes 443 tok/s against 405 (BENCHMARKS.md).
         - "tiled": on CUDA for the rest (groups of 32; other GPUs) where K splits into tiles of 8 groups
           (`kernels.int4_tiles`), Ember's tiled GEMV
           (`ember.quant.kernels.int4_tiled_linear`; codes read as subnormal floats, K split where N is small);
