@@ -44,6 +44,14 @@ def activations(rows: int, K: int) -> torch.Tensor:
     return x
 
 
+def int4_weights(N: int, K: int, group_size: int):
+    """Random int4 weights: (codes, scales, mins) as quantized, the packed canonical `qweight`, and the
+    kernels' layout (`tiles`, `scale_min`)."""
+    codes, scales, mins = quantize_int4_grouped(torch.randn(N, K) * 0.05, group_size)
+    qweight = pack_nibbles(codes)
+    return (codes, scales, mins), qweight, cpu_ext.int4_tiles(qweight, scales, mins)
+
+
 @pytest.mark.parametrize("group_size", [32, 64, 128, 256])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
 def test_int4_gemv_is_its_twin(ops, group_size, rows):
@@ -51,9 +59,7 @@ def test_int4_gemv_is_its_twin(ops, group_size, rows):
     scale and min (float16). Several tiles and groups; rows in runs of 4 and a remainder."""
     torch.manual_seed(group_size + rows)
     N, K = 48, 512
-    codes, scales, mins = quantize_int4_grouped(torch.randn(N, K) * 0.05, group_size)
-    qweight = pack_nibbles(codes)
-    tiles, scale_min = cpu_ext.int4_tiles(qweight, scales, mins)
+    (codes, scales, mins), qweight, (tiles, scale_min) = int4_weights(N, K, group_size)
     x = activations(rows, K)
     want = cpu_ext.int4_reference(x, qweight, scales, mins, group_size)
     got = ops.int4_gemv(x, tiles, scale_min, group_size)
@@ -77,9 +83,7 @@ def test_int4_gemv_on_the_tile_unit_is_the_vector_path_bit_for_bit(group_size, r
     amx, vector = amx_builds()
     torch.manual_seed(rows)
     N, K = 80, 640  # five tiles; 20 blocks (pairs of them on the tile unit)
-    codes, scales, mins = quantize_int4_grouped(torch.randn(N, K) * 0.05, group_size)
-    qweight = pack_nibbles(codes)
-    tiles, scale_min = cpu_ext.int4_tiles(qweight, scales, mins)
+    (codes, scales, mins), qweight, (tiles, scale_min) = int4_weights(N, K, group_size)
     x = activations(rows, K)
     got = amx.int4_gemv(x, tiles, scale_min, group_size)
     assert torch.equal(got, vector.int4_gemv(x, tiles, scale_min, group_size))
@@ -95,9 +99,7 @@ def test_int4_gemm_bf16_is_its_twin(group_size, rows, N):
     amx, _ = amx_builds()
     torch.manual_seed(group_size + rows)
     K = 512
-    codes, scales, mins = quantize_int4_grouped(torch.randn(N, K) * 0.05, group_size)
-    qweight = pack_nibbles(codes)
-    tiles, scale_min = cpu_ext.int4_tiles(qweight, scales, mins)
+    (codes, scales, mins), qweight, (tiles, scale_min) = int4_weights(N, K, group_size)
     x = activations(rows, K)
     got = amx.int4_gemm_bf16(x, tiles, scale_min, group_size)
     assert got.shape == (rows, N) and got.is_contiguous()
@@ -118,9 +120,7 @@ def test_int4_silu_gate_up_bf16_is_its_twin(group_size, rows, N):
     amx, _ = amx_builds()
     torch.manual_seed(group_size + rows)
     K = 512
-    codes, scales, mins = quantize_int4_grouped(torch.randn(N, K) * 0.05, group_size)
-    qweight = pack_nibbles(codes)
-    tiles, scale_min = cpu_ext.int4_tiles(qweight, scales, mins)
+    (codes, scales, mins), qweight, (tiles, scale_min) = int4_weights(N, K, group_size)
     x = activations(rows, K) * 8  # sums past the exponent's clamp (|gate| > 88) in both directions
     got = amx.int4_silu_gate_up_bf16(x, tiles, scale_min, group_size)
     assert got.shape == (rows, N // 2) and got.is_contiguous()
@@ -132,6 +132,15 @@ def test_int4_silu_gate_up_bf16_is_its_twin(group_size, rows, N):
         amx.int4_silu_gate_up_bf16(x, tiles[:3], scale_min[:3], group_size)
 
 
+def int4_projection(out_features: int) -> tuple[nn.Module, tuple]:
+    """A prepared int4-g32 projection of 128 features (dynamo reset for a fresh compile) and its canonical
+    operands, as the twins take them."""
+    torch._dynamo.reset()
+    q = QuantSpec.parse("int4-g32").make(nn.Linear(128, out_features, bias=False))
+    q.prepare()
+    return q, (q.qweight, q.scales, q.mins, 32)
+
+
 def test_int4_gate_up_takes_the_fused_activation_from_amx_bf16_rows():
     """An int4 MLP's gate/up and its activation run as one kernel from AMX_BF16_ROWS rows, eager and compiled
     alike; fewer rows run the projection, then the activation."""
@@ -140,10 +149,7 @@ def test_int4_gate_up_takes_the_fused_activation_from_amx_bf16_rows():
 
     from ember.ops.linear import silu_gate_up
 
-    torch._dynamo.reset()
-    q = QuantSpec.parse("int4-g32").make(nn.Linear(128, 96, bias=False))
-    q.prepare()
-    args = (q.qweight, q.scales, q.mins, 32)
+    q, args = int4_projection(96)
     compiled = torch.compile(silu_gate_up, dynamic=True)
     with torch.no_grad():
         for rows, fused in ((cpu_ext.AMX_BF16_ROWS - 1, False), (cpu_ext.AMX_BF16_ROWS, True), (150, True)):
@@ -169,10 +175,7 @@ def test_int4_projections_take_the_tile_unit_from_amx_bf16_rows():
     amx_builds()
     from torch._inductor.utils import run_and_get_code
 
-    torch._dynamo.reset()
-    q = QuantSpec.parse("int4-g32").make(nn.Linear(128, 64, bias=False))
-    q.prepare()
-    args = (q.qweight, q.scales, q.mins, 32)
+    q, args = int4_projection(64)
     compiled = torch.compile(q, dynamic=True)
     with torch.no_grad():
         for rows, twin, op in (
@@ -249,9 +252,7 @@ def test_compiled_int4_projections_call_the_kernel_at_any_rows():
         pytest.skip("Ember's CPU kernels are not built on this machine")
     from torch._inductor.utils import run_and_get_code
 
-    torch._dynamo.reset()
-    q = QuantSpec.parse("int4-g32").make(nn.Linear(128, 64, bias=False))
-    q.prepare()
+    q, _ = int4_projection(64)
     compiled = torch.compile(q, dynamic=True)
     with torch.no_grad():
         for rows in (1, 200):
