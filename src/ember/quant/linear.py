@@ -425,6 +425,10 @@ class Int4WeightOnlyLinear(QuantLinear):
             return torch.stack((low * scale + low_min, high * scale + low_min), dim=-1).reshape(N, K)
         return tuple((codes * scale + low_min).reshape(N, K // 2) for codes in (low, high))
 
+    def _on_tile_unit(self, rows: int) -> bool:
+        """Whether `rows` activation rows run on the CPU's tile unit in bf16 (`cpu_ext.int4_gemm_bf16`)."""
+        return self._amx_bf16 and rows >= cpu_ext.AMX_BF16_ROWS
+
     def fused_silu_gate_up(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up as one kernel that applies the activation to the sums as it stores them, where this
         module is a gate/up projection (gate rows over up rows, no bias) and one runs: one decode row on CUDA
@@ -436,7 +440,7 @@ class Int4WeightOnlyLinear(QuantLinear):
         x2 = x.reshape(-1, self.in_features)
         if self._whole_rows and x2.shape[0] == 1:
             y = kernels.int4_mma_silu_gate_up(x2, self._words, self._msz, self.group_size)
-        elif self._amx_bf16 and x2.shape[0] >= cpu_ext.AMX_BF16_ROWS:
+        elif self._on_tile_unit(x2.shape[0]):
             y = torch.ops.ember_cpu.int4_silu_gate_up_bf16(
                 x2.float().contiguous(), self._tiles, self._scale_min, self.group_size
             ).to(x.dtype)
@@ -471,7 +475,7 @@ class Int4WeightOnlyLinear(QuantLinear):
         elif self._kernel == "cpu_dot":
             # A prefill's rows on the tile unit in bf16 where the CPU has one (`cpu_ext.int4_gemm_bf16`), else
             # (and for a decode step's few rows) the activations' int8 codes.
-            many = self._amx_bf16 and x2.shape[0] >= cpu_ext.AMX_BF16_ROWS
+            many = self._on_tile_unit(x2.shape[0])
             gemm = torch.ops.ember_cpu.int4_gemm_bf16 if many else torch.ops.ember_cpu.int4_gemv
             y = gemm(x2.float().contiguous(), self._tiles, self._scale_min, self.group_size).to(x.dtype)
         elif self._kernel == "tinygemm":
