@@ -8,8 +8,10 @@ whose decode graph is captured with its arm's kernels; the timed runs alternate 
 drifts of the machine fall on both. The GEMV tuner picks block shapes once per shape and arm. `--set
 MODULE.NAME=VALUE` sets a module constant for the candidate arm only (say, offering the tuner fewer block
 shapes: `--set ember.quant.cuda_int4.LEAN_OFFERED=False`). Steps are timed as `ember bench` times them
-(128-token prompt, 256 tokens, compiled); the table gives each arm's median step, the change, and whether
-the arms gave the same greedy tokens (a kernel that rounds differently may not).
+(128-token prompt, 256 tokens, compiled); the table gives each arm's median step, the change, whether the
+arms gave the same greedy tokens (a kernel that rounds differently may not), and whether the tuner picked
+the same block shapes in both (if not, the GEMVs add in other orders, and the tokens of a random-weight model
+may part for that alone).
 
     python benchmarks/gpu_step_ab.py --configs int4 int8                    # working tree against HEAD
     python benchmarks/gpu_step_ab.py --baseline HEAD~1 --configs int4       # what the last commit changed
@@ -143,7 +145,8 @@ def main() -> None:
                 t = gens[arm].timings
                 steps[arm].append(1e6 * t.decode_s / t.decode_steps)
         base, cand = (statistics.median(steps[arm]) for arm in arms)
-        rows.append((config, base, cand, tokens["baseline"] == tokens["candidate"]))
+        same_picks = arms["baseline"].picks == arms["candidate"].picks
+        rows.append((config, base, cand, tokens["baseline"] == tokens["candidate"], same_picks))
         print(
             f"{config}: baseline {sorted(round(s, 1) for s in steps['baseline'])}, "
             f"candidate {sorted(round(s, 1) for s in steps['candidate'])}",
@@ -152,12 +155,12 @@ def main() -> None:
         del gens, model
         torch._dynamo.reset()
         torch.cuda.empty_cache()
-    print(f"\n| {args.shape} | baseline step | candidate step | change | same tokens |")
-    print("| --- | ---: | ---: | ---: | --- |")
-    for config, base, cand, same in rows:
-        print(
-            f"| {config} | {base:.1f} us | {cand:.1f} us | {100 * (cand / base - 1):+.2f}% | {'yes' if same else 'no'} |"
-        )
+    print(f"\n| {args.shape} | baseline step | candidate step | change | same tokens | same picks |")
+    print("| --- | ---: | ---: | ---: | --- | --- |")
+    yes = {True: "yes", False: "no"}
+    for config, base, cand, same, picks in rows:
+        change = 100 * (cand / base - 1)
+        print(f"| {config} | {base:.1f} us | {cand:.1f} us | {change:+.2f}% | {yes[same]} | {yes[picks]} |")
 
 
 if __name__ == "__main__":
