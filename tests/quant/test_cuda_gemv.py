@@ -5,7 +5,8 @@ On CPU: the byte permutes the source uses to turn codes into floats, read out of
 at the end) stay at the bf16 output's rounding level in the kernel's order of additions. On a GPU with
 NVRTC: every configuration against float math on the dequantized weights (bf16 and fp16, plain and gate/up,
 several rows, widths that leave chunks and rows over), in a CUDA graph with programmatic dependent launch,
-and through the int8 module's op.
+and through the int8 module's op; the folds of a pre-norm layer's residual add (bit-equal to the plain kernel's
+product added as torch adds) and RMSNorm (against the unfused float ops), through their ops too.
 """
 
 from __future__ import annotations
@@ -131,6 +132,57 @@ def test_every_config_against_float_math(dtype, glu):
             y = torch.full((M, N), float("nan"), device=dev, dtype=dtype)
             cuda_gemv.gemv(x, q, s, y, config, glu, pdl=False)
             assert rel_err(y, ref) < 1e-2, (config, M)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fold", ["resid", "norm", "norm-glu", "norm-offset"])
+def test_the_folds_of_norm_and_residual_add_against_the_unfused_ops(dtype, fold):
+    from ember.quant.kernels import int8_linear_add_reference, int8_norm_linear_reference
+
+    dev = torch.device("cuda")
+    glu = fold == "norm-glu"
+    N, K = 100, 16 * 37
+    q, s = quantize_int8_per_channel(torch.randn(2 * N if glu else N, K, device=dev) * 0.05)
+    s = s.to(dtype)
+    x = torch.randn(1, K, device=dev, dtype=dtype) * 3
+    x[:, 3] = 60.0  # an outlier, as residual streams have
+    resid = torch.randn(1, N, device=dev, dtype=dtype) * 4
+    offset = 1.0 if fold == "norm-offset" else 0.0
+    nw = (torch.rand(K, device=dev) + 0.5 - offset).to(dtype)
+    for config in cuda_gemv.GLU_CONFIGS if glu else cuda_gemv.CONFIGS:
+        y = torch.full((1, N), float("nan"), device=dev, dtype=dtype)
+        if fold == "resid":
+            cuda_gemv.gemv(x, q, s, y, config, False, pdl=False, resid=resid)
+            product = torch.empty_like(y)
+            cuda_gemv.gemv(x, q, s, product, config, False, pdl=False)
+            # the product as the plain kernel rounds it, then added as torch adds
+            assert torch.equal(y, resid + product), config
+            assert rel_err(y, int8_linear_add_reference(x, q, s, resid)) < 5e-3, config
+        else:
+            cuda_gemv.gemv(x, q, s, y, config, glu, pdl=False, norm=(nw, 1e-5, offset))
+            want = int8_norm_linear_reference(x.float(), q, s.float(), nw.float(), 1e-5, offset, glu)
+            assert rel_err(y, want) < 1e-2, config
+
+
+@needs_cuda
+def test_the_folds_through_the_ops_and_their_tuner():
+    from ember.quant import kernels, tuning
+
+    dev = torch.device("cuda")
+    N, K = 512, 1024
+    q, s = quantize_int8_per_channel(torch.randn(2 * N, K, device=dev) * 0.05)
+    s = s.to(torch.bfloat16)
+    h = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+    nw = torch.rand(K, device=dev, dtype=torch.bfloat16) + 0.5
+    tuning._picked.clear()
+    y = kernels.int8_norm_linear(h, q, s, nw, 1e-6, 0.0, True)
+    want = kernels.int8_norm_linear_reference(h.float(), q, s.float(), nw.float(), 1e-6, 0.0, True)
+    assert y.shape == (1, N) and rel_err(y, want) < 1e-2
+    resid = torch.randn(1, 2 * N, device=dev, dtype=torch.bfloat16)
+    z = kernels.int8_linear_add(h, q, s, resid)
+    assert rel_err(z, kernels.int8_linear_add_reference(h, q, s, resid)) < 5e-3
+    assert {k[-2] for k in tuning._picked if k[0] == "gemv"} == {"norm", "resid"}  # the folded kernels ran
 
 
 @needs_cuda

@@ -281,3 +281,43 @@ def test_quantizing_in_row_chunks_gives_the_same_values(monkeypatch):
         (linear.quantize_int4_grouped(w, 32), whole4),
     ):
         assert all(torch.equal(g, x) for g, x in zip(got, want, strict=True))
+
+
+def test_a_decode_step_with_norms_and_adds_folded_into_int8_projections_is_the_same_step(monkeypatch):
+    # `DecoderLayer.folds`: on a CUDA decode row each pre-norm layer hands its norms and residual adds to the
+    # int8 GEMVs either side of them. Here the ops' twins stand in for those GEMVs (CPU), and every projection
+    # runs the same twin unfolded, so the plumbing is what is checked: which stream each norm reads, which
+    # stream each add lands on, and the last norm.
+    from ember.engine.kv_cache import StaticKVCache
+    from ember.models import decoder
+    from ember.quant.linear import Int8WeightOnlyLinear
+
+    torch.manual_seed(0)
+    model = random_model("tiny", device="cpu", dtype=torch.float32, quantize="int8")
+    for layer in model.model.layers:  # norms that do more than pass their input through
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.data = torch.rand_like(norm.weight) + 0.5
+    cfg = model.config
+    tokens = torch.randint(0, cfg.vocab_size, (1, 6))
+    folded = []
+    norm_linear = Int8WeightOnlyLinear.norm_linear
+    monkeypatch.setattr(Int8WeightOnlyLinear, "folds", lambda self, x: x.numel() == x.shape[-1])
+    monkeypatch.setattr(
+        Int8WeightOnlyLinear,
+        "forward",
+        lambda self, x: int8_linear_reference(x, self.qweight, self._scales_act),
+    )
+    monkeypatch.setattr(
+        Int8WeightOnlyLinear,
+        "norm_linear",
+        lambda self, *a, **k: folded.append(1) or norm_linear(self, *a, **k),
+    )
+    outs = {}
+    for fold in (False, True):
+        monkeypatch.setattr(decoder, "FOLD_NORMS", fold)
+        cache = StaticKVCache(cfg, batch_size=1, max_seq_len=16, device="cpu", dtype=torch.float32)
+        model(tokens[:, :5], torch.arange(5)[None], cache)  # the prompt: several rows, never folded
+        assert not folded
+        outs[fold] = model(tokens[:, 5:], torch.tensor([[5]]), cache)
+    assert len(folded) == 2 * cfg.num_layers  # qkv and gate/up of every layer took their norm
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-6)

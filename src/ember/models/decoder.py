@@ -67,6 +67,12 @@ ACTIVATIONS = {
 }
 
 
+# Pre-norm int8 layers fold their norms and residual adds into the CUDA C++ int8 GEMVs (`DecoderLayer.folds`).
+# Off until the GPU tests of the norm variant have run: on an H100 the fold took 1.1% off an int8 Llama-3-8B
+# step (BENCHMARKS.md, thirtieth session), but only the residual variant's test ran there.
+FOLD_NORMS = False
+
+
 def activation(name: str):
     if name not in ACTIVATIONS:
         raise UnsupportedArchitectureError(
@@ -84,8 +90,18 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = activation(act)
 
-    def forward(self, x: torch.Tensor, split: bool = False) -> torch.Tensor | SplitSum:
-        """split: the down projection may return its partial sums (`project`) for the next norm to add."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        split: bool = False,
+        norm: RMSNorm | None = None,
+        resid: torch.Tensor | None = None,
+    ) -> torch.Tensor | SplitSum:
+        """split: the down projection may return its partial sums (`project`) for the next norm to add. norm,
+        resid: x is the residual stream, and the result is resid + MLP(norm(x)), the norm and the add folded
+        into the GEMVs (SwiGLU, projections that `fold`: `DecoderLayer.folds`)."""
+        if norm is not None and resid is not None:
+            return self.down_proj.linear_add(self.gate_up_proj.norm_linear(x, norm, glu=True), resid)
         if self.act is F.silu:  # SwiGLU: one kernel for the projection and the activation where it can
             return project(self.down_proj, silu_gate_up(self.gate_up_proj, x), split)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -200,12 +216,22 @@ class Attention(nn.Module):
         self.softcap = cfg.attn_logit_softcap
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, split: bool = False
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        cache: KVCache,
+        split: bool = False,
+        norm: RMSNorm | None = None,
+        resid: torch.Tensor | None = None,
     ) -> torch.Tensor | SplitSum:
-        """split: the output projection may return its partial sums (`project`) for the next norm to add."""
+        """split: the output projection may return its partial sums (`project`) for the next norm to add. norm,
+        resid: x is the residual stream, and the result is resid + attention(norm(x)), the norm and the add
+        folded into the qkv and output GEMVs (projections that `fold`: `DecoderLayer.folds`)."""
         B, T, _ = x.shape
         H, K, D = self.H, self.K, self.D
-        q, k, v = self.qkv_proj(x).split([H * D, K * D, K * D], dim=-1)
+        qkv = self.qkv_proj(x) if norm is None else self.qkv_proj.norm_linear(x, norm)
+        q, k, v = qkv.split([H * D, K * D, K * D], dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(B, T, H, D)  # (B, T, H, D)
@@ -216,6 +242,8 @@ class Attention(nn.Module):
         out = cache.attend(
             self.layer, q, k, v, rope=(cos, sin), window=self.window, scale=self.scale, softcap=self.softcap
         )
+        if resid is not None:
+            return self.o_proj.linear_add(out.reshape(B, T, H * D), resid)
         return project(self.o_proj, out.reshape(B, T, H * D), split)
 
 
@@ -270,6 +298,11 @@ class DecoderLayer(nn.Module):
         MLP output returned then may be one too."""
         cos, sin = rope
         m = self.residual_multiplier
+        if self.folds(x):  # each add and norm inside a GEMV: the stream comes out whole
+            if delta is not None:
+                x = x + (delta.total(x.dtype) if isinstance(delta, SplitSum) else delta)
+            h = self.self_attn(x, cos, sin, cache, norm=self.input_layernorm, resid=x)
+            return self.mlp(h, norm=self.post_attention_layernorm, resid=h), None
         split = split and m == 1.0  # a scaled branch is summed first
         if delta is None:
             h, n = x, self.input_layernorm(x)
@@ -279,6 +312,25 @@ class DecoderLayer(nn.Module):
         h, n = self.post_attention_layernorm.add_forward(h, a * m if m != 1.0 else a)
         f = self.mlp(n, split)
         return h, f * m if m != 1.0 else f
+
+    def folds(self, x: torch.Tensor) -> bool:
+        """Whether this pre-norm layer runs its decode row x with both norms and residual adds inside its int8
+        GEMVs (`FOLD_NORMS`; `Int8WeightOnlyLinear.folds`): no norm kernels between the projections, each
+        norm's factor applied to the next projection's sums, each add done as the projection before it
+        stores. The norms' weights must be in the activations' dtype, the MLP SwiGLU, the branches unscaled."""
+        if (
+            not FOLD_NORMS
+            or self.residual_multiplier != 1.0
+            or type(self.mlp) is not MLP
+            or self.mlp.act is not F.silu
+        ):
+            return False
+        attn, mlp = self.self_attn, self.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        return all(n.weight.dtype == x.dtype for n in norms) and all(
+            hasattr(p, "folds") and p.folds(x) for p in projections
+        )
 
 
 class DecoderBody(nn.Module):

@@ -9,8 +9,9 @@ CPU, float32) is plain `F.linear`. Parameters and state dict are nn.Linear's.
 A decode step also ran silu(gate) * up as its own kernel between the gate/up and down GEMVs (~1.5 us and a
 launch per layer); `silu_gate_up` has the GEMV read each gate row with its up row and store the product, in
 the same time as the plain GEMV (`benchmarks/gpu_decode_step.py`). The layer's RMSNorm and residual add were
-folded into the GEMVs too, and measured slower (BENCHMARKS.md): they are one kernel of their own between the
-GEMVs (`ember.ops.norm.add_rms_norm`).
+folded into the Triton GEMVs too, and measured slower (BENCHMARKS.md): they are one kernel of their own between
+the GEMVs (`ember.ops.norm.add_rms_norm`), except where an int8 layer folds them into the CUDA C++ GEMV's
+variants (`ember.models.decoder.DecoderLayer.folds`).
 """
 
 from __future__ import annotations

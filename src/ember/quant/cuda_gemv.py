@@ -2,7 +2,9 @@
 
 Same function as the Triton int8 GEMV (`triton_kernels.fused_gemv` with int8 codes, plain or gate/up with
 SwiGLU): its configurations join that op's tuner candidates, so each shape runs whichever kernel is faster
-on the device in hand. A configuration is a block shape (`CONFIGS`).
+on the device in hand. A configuration is a block shape (`CONFIGS`). Two variants only this kernel has fold
+a pre-norm layer's residual add (`resid`) and RMSNorm (`norm`) into the projections either side of them
+(`ember.quant.kernels.int8_linear_add`, `int8_norm_linear`).
 
 Shape legend: M rows of activations, K input features, N output features.
 """
@@ -26,18 +28,21 @@ GLU_CONFIGS = [(2, 1, 2), (4, 1, 4), (2, 1, 4), (2, 2, 2)]
 _DTYPES = {torch.bfloat16: "true", torch.float16: "false"}
 
 
-def _name(dtype: torch.dtype, config: tuple[int, int, int], glu: bool) -> str:
+def _name(dtype: torch.dtype, config: tuple[int, int, int], glu: bool, fold: str = "") -> str:
     r, u, w = config
-    return f"int8_gemv<{_DTYPES[dtype]}, {r}, {u}, {w}, {'true' if glu else 'false'}>"
+    flags = ", ".join("true" if f else "false" for f in (glu, fold == "resid", fold == "norm"))
+    return f"int8_gemv<{_DTYPES[dtype]}, {r}, {u}, {w}, {flags}>"
 
 
 @functools.cache
-def _all_names() -> tuple[str, ...]:
-    """Every instance built (named once: `kernels` runs on every launch)."""
+def _all_names(fold: str = "") -> tuple[str, ...]:
+    """Every instance of one variant ("", "resid" or "norm"), built together on its first use (named once:
+    `kernels` runs on every launch)."""
     return tuple(
-        _name(dtype, c, glu)
+        _name(dtype, c, glu, fold)
         for dtype in _DTYPES
         for glu, configs in ((False, CONFIGS), (True, GLU_CONFIGS))
+        if not (glu and fold == "resid")
         for c in configs
     )
 
@@ -60,9 +65,9 @@ def fits(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> bool:
     )
 
 
-def kernels(device: torch.device) -> dict | None:
-    """The built kernels for `device`, or None where they cannot be built (logged once)."""
-    return cuda_rtc.load_or_none(SOURCE, list(_all_names()), device, "CUDA int8 GEMV")
+def kernels(device: torch.device, fold: str = "") -> dict | None:
+    """The built kernels of a variant for `device`, or None where they cannot be built (logged once)."""
+    return cuda_rtc.load_or_none(SOURCE, list(_all_names(fold)), device, "CUDA int8 GEMV")
 
 
 def gemv(
@@ -73,13 +78,31 @@ def gemv(
     config: tuple[int, int, int],
     glu: bool,
     pdl: bool,
+    resid: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float, float] | None = None,
 ) -> None:
-    """y (M, N) = x (M, K) @ (weight * scales).T, or silu(gate) * up with glu (N = weight rows / 2)."""
-    fns = kernels(x.device)
+    """y (M, N) = x (M, K) @ (weight * scales).T, or silu(gate) * up with glu (N = weight rows / 2). resid
+    (M, N), contiguous in x's dtype: y = resid + that (not with glu). norm = (weight (K,) in x's dtype, eps,
+    offset): x is taken as h and the product is of RMSNorm(h) (`kernels.int8_norm_linear_reference`)."""
+    fold = "resid" if resid is not None else "norm" if norm is not None else ""
+    fns = kernels(x.device, fold)
     if fns is None:
         raise cuda_rtc.CudaError("the CUDA int8 GEMV is not built")
     M, K = x.shape
     N = y.shape[1]
     r, _, warps = config
-    args = (x, weight, scales, y, N, K, M)
-    cuda_rtc.launch(fns[_name(x.dtype, config, glu)], -(-N // r) * M, warps * 32, args, x.device, pdl)
+    norm_weight, eps, offset = norm if norm is not None else (x, 0.0, 0.0)
+    args = (
+        x,
+        weight,
+        scales,
+        y,
+        N,
+        K,
+        M,
+        x if resid is None else resid,
+        norm_weight,
+        float(eps),
+        float(offset),
+    )
+    cuda_rtc.launch(fns[_name(x.dtype, config, glu, fold)], -(-N // r) * M, warps * 32, args, x.device, pdl)

@@ -240,6 +240,93 @@ def _(x, weight, scales):
     return silu_gate_up_reference(x, weight, scales)
 
 
+def int8_linear_add_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, resid: torch.Tensor
+) -> torch.Tensor:
+    """resid (M, N) + x (M, K) @ (qweight * scales).T, the product rounded to x's dtype before the add (as the
+    unfused projection and residual add round)."""
+    return resid + int8_linear_reference(x, qweight, scales)
+
+
+@torch.library.custom_op("ember::int8_linear_add", mutates_args=())
+def int8_linear_add(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, resid: torch.Tensor
+) -> torch.Tensor:
+    """`int8_linear_add_reference`: a pre-norm layer's output projection and the residual add after it; on
+    CUDA, for one row, one GEMV that adds the residual as it stores (`ember.quant.cuda_gemv`)."""
+    return int8_linear_add_reference(x, qweight, scales, resid)
+
+
+@int8_linear_add.register_fake
+def _(x, qweight, scales, resid):
+    return torch.empty_like(resid)
+
+
+@int8_linear_add.register_kernel("cuda")
+def _(x, qweight, scales, resid):
+
+    if HAS_TRITON and _folds(x, qweight, scales, resid.dtype) and resid.is_contiguous():
+        from ember.quant import triton_kernels
+
+        return triton_kernels.fused_gemv(x.contiguous(), qweight, scales, resid=resid.contiguous())
+    return int8_linear_add_reference(x, qweight, scales, resid)
+
+
+def _folds(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the CUDA C++ int8 GEMV's folds take one row x with these operands (the other's dtype `dtype`)."""
+    from ember.quant import cuda_gemv
+
+    return x.shape[0] == 1 and dtype == x.dtype and cuda_gemv.fits(x.contiguous(), qweight, scales)
+
+
+def int8_norm_linear_reference(
+    h: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    glu: bool,
+) -> torch.Tensor:
+    """RMSNorm(h) (`ember.ops.norm.rms_norm_reference`) @ (qweight * scales).T, or silu(gate) * up of it with
+    glu: a pre-norm layer's norm and the projection after it."""
+    from ember.ops.norm import rms_norm_reference
+
+    n = rms_norm_reference(h, norm_weight, eps, offset)
+    return silu_gate_up_reference(n, qweight, scales) if glu else int8_linear_reference(n, qweight, scales)
+
+
+@torch.library.custom_op("ember::int8_norm_linear", mutates_args=())
+def int8_norm_linear(
+    h: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    glu: bool,
+) -> torch.Tensor:
+    """`int8_norm_linear_reference`; on CUDA, for one row, one GEMV that scales each activation by the norm's
+    weight as it loads it and the row's sums by the norm's factor as it stores them (`ember.quant.cuda_gemv`;
+    the normalised activations are not rounded on the way, so it differs from the reference by that rounding)."""
+    return int8_norm_linear_reference(h, qweight, scales, norm_weight, eps, offset, glu)
+
+
+@int8_norm_linear.register_fake
+def _(h, qweight, scales, norm_weight, eps, offset, glu):
+    return h.new_empty(h.shape[0], qweight.shape[0] // (2 if glu else 1))
+
+
+@int8_norm_linear.register_kernel("cuda")
+def _(h, qweight, scales, norm_weight, eps, offset, glu):
+    if HAS_TRITON and _folds(h, qweight, scales, norm_weight.dtype) and norm_weight.is_contiguous():
+        from ember.quant import triton_kernels
+
+        norm = (norm_weight, eps, offset)
+        return triton_kernels.fused_gemv(h.contiguous(), qweight, scales, glu=glu, norm=norm)
+    return int8_norm_linear_reference(h, qweight, scales, norm_weight, eps, offset, glu)
+
+
 @torch.library.custom_op("ember::int8_linear", mutates_args=())
 def int8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return int8_linear_reference(x, qweight, scales)

@@ -200,6 +200,7 @@ class Int8WeightOnlyLinear(QuantLinear):
         super().__init__(in_features, out_features, bias, dtype)
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32))
+        self._cuda_gemv = False  # the CUDA C++ GEMV takes these weights (set by `prepare`)
 
     @classmethod
     def from_float(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
@@ -218,9 +219,36 @@ class Int8WeightOnlyLinear(QuantLinear):
         # the CPU int8 kernel crashed (SIGSEGV) on one such weight in tests.
         self.qweight = self.qweight.clone()
         self.register_buffer("_scales_act", self.scales.to(self.dtype), persistent=False)
+        # Asked here, not in forward: a traced forward may not call into the kernels' loader.
+        self._cuda_gemv = self.qweight.is_cuda and self.in_features % 16 == 0 and _cuda_kernels_built()
 
     def gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         return (self.qweight, self._scales_act) if self.bias is None else None
+
+    def folds(self, x: torch.Tensor) -> bool:
+        """Whether a decode row like x (one bf16/fp16 row on CUDA) runs this projection with a pre-norm layer's
+        RMSNorm before it or residual add after it folded into its GEMV (`norm_linear`, `linear_add`: the CUDA
+        C++ int8 GEMV's variants; no bias)."""
+        return (
+            self._cuda_gemv
+            and self.bias is None
+            and x.is_cuda
+            and x.numel() == x.shape[-1]
+            and x.dtype == self._scales_act.dtype
+        )
+
+    def norm_linear(self, h: torch.Tensor, norm: nn.Module, glu: bool = False) -> torch.Tensor:
+        """self(norm(h)), or silu(gate) * up of it with glu (a gate/up projection), for one row h: one GEMV
+        (`kernels.int8_norm_linear`; `folds`). norm: an `ember.ops.norm.RMSNorm`."""
+        y = kernels.int8_norm_linear(
+            h.reshape(1, -1), self.qweight, self._scales_act, norm.weight, norm.eps, norm.offset, glu
+        )
+        return y.reshape(*h.shape[:-1], -1)
+
+    def linear_add(self, x: torch.Tensor, resid: torch.Tensor) -> torch.Tensor:
+        """resid + self(x) for one row: one GEMV (`kernels.int8_linear_add`; `folds`)."""
+        y = kernels.int8_linear_add(x.reshape(1, -1), self.qweight, self._scales_act, resid.reshape(1, -1))
+        return y.reshape(resid.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -233,6 +261,13 @@ class Int8WeightOnlyLinear(QuantLinear):
         else:
             y = kernels.int8_linear(x2, self.qweight, self._scales_act)
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
+
+
+def _cuda_kernels_built() -> bool:
+    """Whether Ember's CUDA C++ kernels can be built here (NVRTC and the driver library load)."""
+    from ember.ops import cuda_rtc
+
+    return cuda_rtc.available()
 
 
 def tinygemm_layout(

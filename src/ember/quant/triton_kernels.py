@@ -533,11 +533,14 @@ def fused_gemv(
     *,
     glu: bool = False,
     blocks: dict | None = None,
+    resid: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float, float] | None = None,
 ) -> torch.Tensor:
     """x (M, K) contiguous @ weight (N, K).T: float weights, or int8 codes with per-row `scales` (N,).
 
     glu: the weight is a fused gate/up projection (gate rows over up rows) and the result is
-    silu(gate) * up, (M, N/2). In x's dtype.
+    silu(gate) * up, (M, N/2). In x's dtype. resid, norm: the CUDA C++ kernel's folds (`cuda_gemv.gemv`;
+    int8 codes only, on operands `cuda_gemv.fits` takes).
     """
     (M, K), N = x.shape, weight.shape[0] // (2 if glu else 1)
     y = torch.empty(M, N, device=x.device, dtype=x.dtype)
@@ -549,20 +552,23 @@ def fused_gemv(
     grid = lambda b: (triton.cdiv(N, b["BLOCK_N"]) * M,)  # noqa: E731
 
     cuda = int8 and cuda_gemv.fits(x, weight, scales)
+    fold = "resid" if resid is not None else "norm" if norm is not None else ""
+    if fold and not cuda:
+        raise ValueError("the residual and norm folds run on the CUDA C++ int8 GEMV only")
 
     def run(b: dict, w: tuple[torch.Tensor, ...]) -> None:
         if "CUDA" in b:
             if cuda:
-                cuda_gemv.gemv(x, w[0], w[-1], y, b["CUDA"], glu, consts["PDL"])
+                cuda_gemv.gemv(x, w[0], w[-1], y, b["CUDA"], glu, consts["PDL"], resid, norm)
                 return
             b = INT8_BLOCKS[0]
         _gemv_kernel[grid(b)](x, w[0], w[-1], y, N, M, K, **{"EVEN_K": K % b["BLOCK_K"] == 0, **consts, **b})
 
     if blocks is None:
-        configs = INT8_BLOCKS if int8 else FLOAT_BLOCKS
+        configs = [] if fold else INT8_BLOCKS if int8 else FLOAT_BLOCKS
         if cuda:
             configs = configs + [{"CUDA": c} for c in (cuda_gemv.GLU_CONFIGS if glu else cuda_gemv.CONFIGS)]
-        key = ("gemv", int8, glu, M, N, K, weight.dtype, x.dtype)
+        key = ("gemv", int8, glu, M, N, K, weight.dtype, x.dtype, fold)
         blocks = tuning.pick(key, configs, run, (weight, scales) if int8 else (weight,))
     run(blocks, (weight, scales) if int8 else (weight,))
     return y
