@@ -7,6 +7,8 @@ the trained length; longrope switches to its long factors past the original leng
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -108,3 +110,28 @@ def test_apply_rope_partial_leaves_the_rest():
     out = apply_rope(x, cos, sin)
     torch.testing.assert_close(out[..., 4:], x[..., 4:])
     torch.testing.assert_close(out[..., :4], torch.cat((-x[..., 2:4], x[..., :2]), dim=-1))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="needs triton (runs in its interpreter)"
+)
+@pytest.mark.parametrize("rotary,factor", [(128, 1.0), (64, 1.2), (24, 0.9)])
+def test_the_decode_tables_kernel_matches_the_plain_ops(rotary, factor):
+    # `ember::rope_tables` on CUDA (`DECODE_TABLES_OP`): in Triton's interpreter on a CPU, on the GPU where a run
+    # sets TRITON_INTERPRET=0. Rows at positions up to a long context, Dr / 2 not a power of two in one case.
+    import os
+
+    from ember.ops.rope import rope_tables_reference
+    from ember.ops.triton_rope import rope_tables
+
+    device = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("compiled Triton needs a CUDA GPU (TRITON_INTERPRET=0)")
+    rope = Rope(RopeConfig(theta=500000.0, rotary_dim=rotary, max_position_embeddings=131072))
+    rope.init_buffers(device)
+    positions = torch.tensor([[0], [1], [517], [131071]], device=device)
+    got = rope_tables(positions, rope.inv_freq, factor)
+    want = rope_tables_reference(positions, rope.inv_freq, factor)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape == (4, 1, rotary)
+        torch.testing.assert_close(g, w, rtol=0, atol=2e-6)

@@ -7,6 +7,11 @@ from the sequence's length (`max(positions) + 1` of a row, or the lengths a pack
 with tensor ops only, so the decode step stays free of host syncs and compiles. As in vLLM, a sequence that
 grows past the original length while decoding keeps the keys it cached with the short factors (transformers
 recomputes its whole cache then).
+
+A CUDA decode step may take its tables from `ember::rope_tables` (`DECODE_TABLES_OP`): as plain pointwise ops,
+inductor recomputes them inside a kernel before each layer's attention custom op (it copies an unrealized
+pointwise producer for every consumer that requires exact strides: 8 launches a Llama-3-8B step, ~14 us on an
+H200, BENCHMARKS.md); a custom op's outputs are computed once.
 """
 
 from __future__ import annotations
@@ -18,6 +23,9 @@ import torch
 from torch import nn
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+# Whether CUDA decode rows take their tables from `rope_tables` (one Triton kernel a step). Off until measured
+# on a GPU (tested in Triton's interpreter).
+DECODE_TABLES_OP = False
 
 
 @dataclass(frozen=True)
@@ -145,9 +153,44 @@ class Rope(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`lengths` (B, T): each token's sequence length, where a forward packs several sequences (longrope)."""
         inv_freq = self._frequencies(positions, lengths)
-        freqs = positions.float()[..., None] * inv_freq  # (B, T, Dr/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, Dr)
-        return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor
+        if DECODE_TABLES_OP and positions.is_cuda and positions.shape[-1] == 1 and inv_freq.dim() == 1:
+            return rope_tables(positions, inv_freq, self.attention_factor)
+        return rope_tables_reference(positions, inv_freq, self.attention_factor)
+
+
+def rope_tables_reference(
+    positions: torch.Tensor, inv_freq: torch.Tensor, factor: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (B, T), inv_freq (Dr/2,) or broadcasting to (B, T, Dr/2) -> (cos, sin), each (B, T, Dr) float32,
+    times `factor` (the variant's attention factor)."""
+    freqs = positions.float()[..., None] * inv_freq  # (B, T, Dr/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, Dr)
+    return emb.cos() * factor, emb.sin() * factor
+
+
+@torch.library.custom_op("ember::rope_tables", mutates_args=())
+def rope_tables(
+    positions: torch.Tensor, inv_freq: torch.Tensor, factor: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_tables_reference` for inv_freq (Dr/2,); one Triton kernel on CUDA."""
+    return rope_tables_reference(positions, inv_freq, factor)
+
+
+@rope_tables.register_fake
+def _(positions, inv_freq, factor):
+    shape = (*positions.shape, 2 * inv_freq.shape[-1])
+    return positions.new_empty(shape, dtype=torch.float32), positions.new_empty(shape, dtype=torch.float32)
+
+
+@rope_tables.register_kernel("cuda")
+def _(positions, inv_freq, factor):
+    from ember.quant.kernels import HAS_TRITON
+
+    if HAS_TRITON and inv_freq.dim() == 1 and inv_freq.dtype == torch.float32:
+        from ember.ops.triton_rope import rope_tables as triton_rope_tables
+
+        return triton_rope_tables(positions.contiguous(), inv_freq.contiguous(), factor)
+    return rope_tables_reference(positions, inv_freq, factor)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
