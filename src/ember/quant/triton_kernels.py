@@ -562,6 +562,8 @@ def fused_gemv(
                 cuda_gemv.gemv(x, w[0], w[-1], y, b["CUDA"], glu, consts["PDL"], resid, norm)
                 return
             b = INT8_BLOCKS[0]
+        if fold:
+            raise ValueError(f"the {fold} fold runs on the CUDA C++ int8 GEMV's block shapes, not {b}")
         _gemv_kernel[grid(b)](x, w[0], w[-1], y, N, M, K, **{"EVEN_K": K % b["BLOCK_K"] == 0, **consts, **b})
 
     if blocks is None:
