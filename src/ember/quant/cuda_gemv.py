@@ -35,13 +35,13 @@ def _name(dtype: torch.dtype, config: tuple[int, int, int], glu: bool, fold: str
 
 
 @functools.cache
-def _all_names(fold: str = "") -> tuple[str, ...]:
-    """Every instance of one variant ("", "resid" or "norm"), built together on its first use (named once:
-    `kernels` runs on every launch)."""
+def _all_names(fold: str, plain: tuple, gated: tuple) -> tuple[str, ...]:
+    """Every instance of one variant ("", "resid" or "norm") for the block shapes offered, built together on
+    its first use (named once: `kernels` runs on every launch)."""
     return tuple(
         _name(dtype, c, glu, fold)
         for dtype in _DTYPES
-        for glu, configs in ((False, CONFIGS), (True, GLU_CONFIGS))
+        for glu, configs in ((False, plain), (True, gated))
         if not (glu and fold == "resid")
         for c in configs
     )
@@ -67,7 +67,9 @@ def fits(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> bool:
 
 def kernels(device: torch.device, fold: str = "") -> dict | None:
     """The built kernels of a variant for `device`, or None where they cannot be built (logged once)."""
-    return cuda_rtc.load_or_none(SOURCE, list(_all_names(fold)), device, "CUDA int8 GEMV")
+    # The block shapes as they are now: a benchmark may offer others (`gpu_step_ab.py --set`).
+    names = _all_names(fold, tuple(CONFIGS), tuple(GLU_CONFIGS))
+    return cuda_rtc.load_or_none(SOURCE, list(names), device, "CUDA int8 GEMV")
 
 
 def gemv(
