@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.compiler import is_compiling
 
-from ember.ops import cpu_ext
+from ember.ops import cpu_ext, cuda_rtc
 from ember.quant import kernels
 
 
@@ -220,7 +220,7 @@ class Int8WeightOnlyLinear(QuantLinear):
         self.qweight = self.qweight.clone()
         self.register_buffer("_scales_act", self.scales.to(self.dtype), persistent=False)
         # Asked here, not in forward: a traced forward may not call into the kernels' loader.
-        self._cuda_gemv = self.qweight.is_cuda and self.in_features % 16 == 0 and _cuda_kernels_built()
+        self._cuda_gemv = self.qweight.is_cuda and self.in_features % 16 == 0 and cuda_rtc.available()
 
     def gemv_operands(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         return (self.qweight, self._scales_act) if self.bias is None else None
@@ -261,13 +261,6 @@ class Int8WeightOnlyLinear(QuantLinear):
         else:
             y = kernels.int8_linear(x2, self.qweight, self._scales_act)
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
-
-
-def _cuda_kernels_built() -> bool:
-    """Whether Ember's CUDA C++ kernels can be built here (NVRTC and the driver library load)."""
-    from ember.ops import cuda_rtc
-
-    return cuda_rtc.available()
 
 
 def tinygemm_layout(
