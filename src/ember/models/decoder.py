@@ -95,13 +95,12 @@ class MLP(nn.Module):
         x: torch.Tensor,
         split: bool = False,
         norm: RMSNorm | None = None,
-        resid: torch.Tensor | None = None,
     ) -> torch.Tensor | SplitSum:
-        """split: the down projection may return its partial sums (`project`) for the next norm to add. norm,
-        resid: x is the residual stream, and the result is resid + MLP(norm(x)), the norm and the add folded
-        into the GEMVs (SwiGLU, projections that `fold`: `DecoderLayer.folds`)."""
-        if norm is not None and resid is not None:
-            return self.down_proj.linear_add(self.gate_up_proj.norm_linear(x, norm, glu=True), resid)
+        """split: the down projection may return its partial sums (`project`) for the next norm to add. norm: x
+        is the residual stream, and the result is x + MLP(norm(x)), the norm and the add folded into the GEMVs
+        (SwiGLU, projections that `fold`: `DecoderLayer.folds`)."""
+        if norm is not None:
+            return self.down_proj.linear_add(self.gate_up_proj.norm_linear(x, norm, glu=True), x)
         if self.act is F.silu:  # SwiGLU: one kernel for the projection and the activation where it can
             return project(self.down_proj, silu_gate_up(self.gate_up_proj, x), split)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -223,11 +222,10 @@ class Attention(nn.Module):
         cache: KVCache,
         split: bool = False,
         norm: RMSNorm | None = None,
-        resid: torch.Tensor | None = None,
     ) -> torch.Tensor | SplitSum:
-        """split: the output projection may return its partial sums (`project`) for the next norm to add. norm,
-        resid: x is the residual stream, and the result is resid + attention(norm(x)), the norm and the add
-        folded into the qkv and output GEMVs (projections that `fold`: `DecoderLayer.folds`)."""
+        """split: the output projection may return its partial sums (`project`) for the next norm to add. norm:
+        x is the residual stream, and the result is x + attention(norm(x)), the norm and the add folded into
+        the qkv and output GEMVs (projections that `fold`: `DecoderLayer.folds`)."""
         B, T, _ = x.shape
         H, K, D = self.H, self.K, self.D
         qkv = self.qkv_proj(x) if norm is None else self.qkv_proj.norm_linear(x, norm)
@@ -242,8 +240,8 @@ class Attention(nn.Module):
         out = cache.attend(
             self.layer, q, k, v, rope=(cos, sin), window=self.window, scale=self.scale, softcap=self.softcap
         )
-        if resid is not None:
-            return self.o_proj.linear_add(out.reshape(B, T, H * D), resid)
+        if norm is not None:
+            return self.o_proj.linear_add(out.reshape(B, T, H * D), x)
         return project(self.o_proj, out.reshape(B, T, H * D), split)
 
 
@@ -301,8 +299,8 @@ class DecoderLayer(nn.Module):
         if self.folds(x):  # each add and norm inside a GEMV: the stream comes out whole
             if delta is not None:
                 x = x + (delta.total(x.dtype) if isinstance(delta, SplitSum) else delta)
-            h = self.self_attn(x, cos, sin, cache, norm=self.input_layernorm, resid=x)
-            return self.mlp(h, norm=self.post_attention_layernorm, resid=h), None
+            h = self.self_attn(x, cos, sin, cache, norm=self.input_layernorm)
+            return self.mlp(h, norm=self.post_attention_layernorm), None
         split = split and m == 1.0  # a scaled branch is summed first
         if delta is None:
             h, n = x, self.input_layernorm(x)
