@@ -268,7 +268,7 @@ def _(x, qweight, scales, resid):
     if HAS_TRITON and _folds(x, qweight, scales, resid.dtype) and resid.is_contiguous():
         from ember.quant import triton_kernels
 
-        return triton_kernels.fused_gemv(x.contiguous(), qweight, scales, resid=resid.contiguous())
+        return triton_kernels.fused_gemv(x.contiguous(), qweight, scales, resid=resid)
     return int8_linear_add_reference(x, qweight, scales, resid)
 
 
