@@ -67,10 +67,10 @@ ACTIVATIONS = {
 }
 
 
-# Pre-norm int8 layers fold their norms and residual adds into the CUDA C++ int8 GEMVs (`DecoderLayer.folds`).
-# Off until the GPU tests of the norm variant have run: on an H100 the fold took 1.1% off an int8 Llama-3-8B
-# step (BENCHMARKS.md, thirtieth session), but only the residual variant's test ran there.
-FOLD_NORMS = False
+# Pre-norm int8 layers fold their norms and residual adds into the CUDA C++ int8 GEMVs (`DecoderLayer.folds`):
+# with the rope tables op, an int8 Llama-3-8B step took 2.08% less on an H100 (GPU tests of both variants
+# passed there; BENCHMARKS.md, thirty-first session). False for A/B runs.
+FOLD_NORMS = True
 
 
 def activation(name: str):

@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
-# Whether CUDA decode rows take their tables from `rope_tables` (one Triton kernel a step). Off until measured
-# on a GPU (tested in Triton's interpreter).
-DECODE_TABLES_OP = False
+# Whether CUDA decode rows take their tables from `rope_tables` (one Triton kernel a step; its GPU test passed
+# on an H100, BENCHMARKS.md, thirty-first session). False for A/B runs.
+DECODE_TABLES_OP = True
 
 
 @dataclass(frozen=True)
