@@ -264,7 +264,6 @@ def _(x, qweight, scales, resid):
 
 @int8_linear_add.register_kernel("cuda")
 def _(x, qweight, scales, resid):
-
     if HAS_TRITON and _folds(x, qweight, scales, resid.dtype) and resid.is_contiguous():
         from ember.quant import triton_kernels
 
