@@ -5,7 +5,9 @@ On a GPU with NVRTC: every block shape (LEAN ones included) against float math o
 whole rows and split into runs of K (float32 partials), 1 to 8 activation rows, groups of 64 to 256, widths
 that leave tiles over by every block; gate/up with SwiGLU against the unfused ops; in a CUDA graph with
 programmatic dependent launch; through the tensor-core ops with the kernel offered to their tuner, and
-through an int4 module's fused gate/up. On CPU: the shapes offered, and the gate/up op's plain-torch path.
+through an int4 module's fused gate/up. One row runs the A8 kernels (activations rounded to int8 in blocks of
+32), checked against `cuda_int4.a8_reference` as well. On CPU: the shapes offered, the gate/up op's plain-torch
+path, and the A8 reference's blocks.
 """
 
 from __future__ import annotations
@@ -28,10 +30,36 @@ def test_no_block_shape_gives_a_tiles_warp_no_group_and_lean_ones_stop_where_the
                 assert not any(c[3] and c[4] for c in shapes)  # LEAN's registers or ASYNC's shared memory
                 for c in shapes:  # an ASYNC ring within the shared memory a block may declare
                     assert cuda_int4._shared_bytes(group // 64, c, glu) <= cuda_int4.ASYNC_SHARED
+                if cuda_int4.rounds(1, split, groups * group):  # room for the rounded row as well
+                    a8 = cuda_int4.configs(group, groups, split, glu, lean=True, asynchronous=True, a8=True)
+                    room = cuda_int4.ASYNC_SHARED - cuda_int4._rounded_bytes(groups * group)
+                    assert a8 and all(cuda_int4._shared_bytes(group // 64, c, glu) <= room for c in a8)
                 offered = cuda_int4.configs(group, groups, split, glu)
                 built = group // 64 <= cuda_int4.LEAN_MAX_STEPS
                 assert offered and any(c[3] for c in offered) == (cuda_int4.LEAN_OFFERED and built)
                 assert cuda_int4.ASYNC_OFFERED or not any(c[4] for c in offered)
+
+
+def test_the_a8_reference_rounds_each_block_of_32_on_its_own_scale():
+    # Each block's activations are multiples of its own power of 2, up to 127 of them: exact in int8 on the
+    # block's scale, and on no other grouping's (a block's scale is then that of a block with larger ones).
+    N, K, group = 32, 512, 128
+    words, sz, w = quantized(N, K, group, torch.device("cpu"))
+    codes = torch.randint(-127, 128, (1, K // 64, 4, 2, 8))  # (row, step, lane t, block i, 8): k 16 t + 8 i
+    codes[..., 0, :, 0] = 127
+    unit = 2.0 ** -torch.arange(K // 32).reshape(1, K // 64, 1, 2, 1)  # a power of 2 a block
+    x = (codes * unit).reshape(1, K).to(torch.bfloat16)
+    assert torch.equal(x.float(), (codes * unit).reshape(1, K))
+    exact = x.float() @ w.T
+    assert rel_err(cuda_int4.a8_reference(x, words, sz, group), exact) < 1e-6
+    contiguous = x.float().reshape(1, K // 32, 32)  # blocks of 32 consecutive k: not the kernel's
+    scale = contiguous.abs().amax(-1, keepdim=True) / 127.0
+    rounded = (torch.round(contiguous / scale) * scale).reshape(1, K)
+    assert rel_err(rounded @ w.T, exact) > 1e-4
+    # Random activations: the rounding's error is under a percent of the product.
+    x = torch.randn(3, K, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    err = rel_err(cuda_int4.a8_reference(x, words, sz, group), x.float() @ w.T)
+    assert 1e-4 < err < 1e-2
 
 
 def test_the_gate_up_op_off_cuda_is_swiglu_of_the_dequantized_weights():
@@ -74,8 +102,10 @@ def quantized(N: int, K: int, group: int, dev: torch.device):
 
 
 @needs_cuda
+@pytest.mark.parametrize("a8", [False, True], ids=["bf16", "a8"])
 @pytest.mark.parametrize("group", [64, 128, 256])
-def test_every_block_shape_and_split_against_float_math(group):
+def test_every_block_shape_and_split_against_float_math(group, a8, monkeypatch):
+    monkeypatch.setattr(cuda_int4, "A8", a8)  # A8: one row's activations rounded to int8
     dev = torch.device("cuda")
     N, K = 16 * 13, group * 24  # 13 tiles: left over by every block of 2, 4 and 8 tiles
     words, sz, w = quantized(N, K, group, dev)
@@ -84,11 +114,16 @@ def test_every_block_shape_and_split_against_float_math(group):
         x[:, 5] = 30.0
         ref = x.float() @ w.T
         for split in (1, 2, 3, 8):
-            for config in cuda_int4.configs(group, K // group, split, lean=True, asynchronous=True):
+            rounds = cuda_int4.rounds(M, split, K)
+            assert rounds == (a8 and M == 1 and split == 1)
+            shapes = cuda_int4.configs(group, K // group, split, lean=True, asynchronous=True, a8=rounds)
+            for config in shapes:
                 if split == 1:
                     y = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
                     cuda_int4.gemv(x, words, sz, y, group, config, split, pdl=False)
-                    assert rel_err(y, ref) < 1e-2, (config, M)
+                    if rounds:  # the activations rounded to int8: the outlier's block loses the most
+                        assert rel_err(y, cuda_int4.a8_reference(x, words, sz, group)) < 3e-3, config
+                    assert rel_err(y, ref) < (2e-2 if rounds else 1e-2), (config, M)
                 else:
                     y = torch.full((split, M, N), float("nan"), device=dev)
                     cuda_int4.gemv(x, words, sz, y, group, config, split, pdl=False)
@@ -128,8 +163,10 @@ def test_in_a_cuda_graph_with_pdl_and_through_the_op(monkeypatch):
 
 
 @needs_cuda
+@pytest.mark.parametrize("a8", [False, True], ids=["bf16", "a8"])
 @pytest.mark.parametrize("group", [64, 128, 256])
-def test_gate_up_with_swiglu_against_the_unfused_ops(group):
+def test_gate_up_with_swiglu_against_the_unfused_ops(group, a8, monkeypatch):
+    monkeypatch.setattr(cuda_int4, "A8", a8)
     from ember.quant import kernels
 
     dev = torch.device("cuda")
@@ -139,10 +176,17 @@ def test_gate_up_with_swiglu_against_the_unfused_ops(group):
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         gate, up = (x @ w.T.to(torch.bfloat16)).chunk(2, dim=-1)
         ref = torch.nn.functional.silu(gate) * up
-        for config in cuda_int4.configs(group, K // group, 1, glu=True, lean=True, asynchronous=True):
+        rounds = cuda_int4.rounds(M, 1, K)
+        if rounds:  # SwiGLU of the A8 sums, each rounded as the unfused ops round
+            gate, up = cuda_int4.a8_reference(x, words, sz, group).to(torch.bfloat16).chunk(2, dim=-1)
+            rounded = torch.nn.functional.silu(gate) * up
+        shapes = cuda_int4.configs(group, K // group, 1, glu=True, lean=True, asynchronous=True, a8=rounds)
+        for config in shapes:
             y = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
             cuda_int4.gemv(x, words, sz, y, group, config, 1, pdl=False, glu=True)
             assert rel_err(y, ref) < 2e-2, (config, M)
+            if rounds:
+                assert rel_err(y, rounded) < 6e-3, config
         got = kernels.int4_mma_silu_gate_up(x, words, sz, group)  # the op: tuned, then one launch
         assert rel_err(got, kernels.int4_mma_silu_gate_up_reference(x, words, sz, group)) < 2e-2
 

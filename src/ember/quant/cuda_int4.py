@@ -6,6 +6,9 @@ or float32 partial sums over runs of K). A configuration is a block shape (`CONF
 join the Triton kernel's tuner candidates, so each shape runs whichever kernel is faster on the device in hand.
 It also runs a gate/up projection with SwiGLU applied as it stores (`silu_gate_up`), which the Triton kernel
 does not: with `WHOLE_ROWS` an int4 MLP's gate/up is one kernel (`Int4WeightOnlyLinear.fused_silu_gate_up`).
+With `A8` (off: it lost, see below), one activation row (a decode step) is rounded to int8 in blocks of 32 by
+each block of the kernel and multiplied on the integer tensor cores (`rounds`; `a8_reference` is that arithmetic
+in torch).
 
 Shape legend: M rows of activations, K input features, N output features, g group size, S runs of K.
 """
@@ -62,15 +65,22 @@ LEAN_OFFERED = True
 # Whether the tuner times the ASYNC configurations too (GPU tests passed on an H100; offered, the int4-g128
 # step went 2016.2 -> 2007.4 us there, same tokens: BENCHMARKS.md, twenty-ninth session).
 ASYNC_OFFERED = True
-ASYNC_SHARED = 48 * 1024  # static shared memory a block may declare
+ASYNC_SHARED = 48 * 1024  # shared memory a block may have without asking for more
+# Whether one activation row runs the A8 kernels: the row rounded to int8 (a scale for each block of 32), and
+# u8 codes times s8 activations on the integer tensor cores, a quarter of the bf16 mma (`int4_gemv.cu`). The
+# integer mma alone took 8% off a whole int4-g128 Llama-3-8B step on an H100, but each block rounding the row
+# first cost more: the step took 4% longer with A8 (GPU tests passed; BENCHMARKS.md, thirty-second session).
+# So off, and its instances are not built; the rounding belongs in the kernels that write the activations.
+A8 = False
+A8_BLOCK = 32  # activations an int8 scale
 
 
 Config = tuple[int, int, int, bool, bool]  # (TW, KW, DEPTH, LEAN, ASYNC)
 
 
-def _name(group_steps: int, config: Config, split: bool, glu: bool = False) -> str:
+def _name(group_steps: int, config: Config, split: bool, glu: bool = False, a8: bool = False) -> str:
     tw, kw, depth, lean, asynchronous = config
-    flags = ", ".join("true" if f else "false" for f in (lean, split, glu, asynchronous))
+    flags = ", ".join("true" if f else "false" for f in (lean, split, glu, asynchronous, a8))
     return f"int4_mma_gemv<{group_steps}, {tw}, {kw}, {depth}, {flags}>"
 
 
@@ -80,6 +90,33 @@ def _shared_bytes(group_steps: int, config: Config, glu: bool) -> int:
     slots = tw * (2 if glu else 1)
     ring = slots * kw * depth * (group_steps * 512 + 256) if asynchronous else 0
     return ring + 4 * (kw - 1) * slots * 128 + (4 * tw * 128 if glu else 0)
+
+
+def _rounded_bytes(K: int) -> int:
+    """A8's dynamic shared memory: the row's K int8 activations, and a float scale and sum a block of 32."""
+    return K + 8 * (K // A8_BLOCK)
+
+
+def rounds(rows: int, split: int, K: int) -> bool:
+    """Whether a GEMV of `rows` activation rows of K over `split` runs of K runs the A8 kernels (`A8`): one
+    row, whole, whose rounding fits in 32 KB of shared memory (K up to 26214)."""
+    return A8 and rows == 1 and split == 1 and _rounded_bytes(K) <= 32 * 1024
+
+
+def a8_reference(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
+    """What the A8 kernels compute, in float32 (M, N), for x (M, K) and `kernels.int4_mma_tile` words and
+    `kernels.int4_mma_scales` factors: x' @ w.T, w = q * s + min, x' each block of 32 activations rounded to
+    int8, round(x * (127 / amax)) * (amax / 127) (a 64-k step's lanes t < 4 hold k 16 t + 0..15, and its block
+    i takes their k 16 t + 8 i + 0..7)."""
+    from ember.quant.kernels import int4_mma_dequantize
+
+    M, K = x.shape
+    blocks = x.float().reshape(M, K // 64, 4, 2, 8)  # (M, step, lane t, block i, 8)
+    amax = blocks.abs().amax(dim=(2, 4), keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(blocks * inv).clamp(-127, 127)
+    rounded = (codes * (amax / 127.0)).reshape(M, K)
+    return rounded @ int4_mma_dequantize(words, sz, group_size).T
 
 
 def fits(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> bool:
@@ -131,14 +168,24 @@ def configs(
     glu: bool = False,
     lean: bool | None = None,
     asynchronous: bool | None = None,
+    a8: bool = False,
 ) -> list[Config]:
     """The configurations worth timing for rows of `groups` groups of `group_size` cut into `split` runs (with
     glu, of a gate/up weight): no warp of a tile without a group of its own; LEAN ones where `lean` (default
-    LEAN_OFFERED), ASYNC ones where `asynchronous` (default ASYNC_OFFERED), and built."""
+    LEAN_OFFERED), ASYNC ones where `asynchronous` (default ASYNC_OFFERED), and built; with a8 (`rounds`),
+    those with room for the rounded row."""
     lean = LEAN_OFFERED if lean is None else lean
     asynchronous = ASYNC_OFFERED if asynchronous is None else asynchronous
-    pool = _built(group_size // 64, glu)
-    return [c for c in pool if c[1] <= groups // split and (lean or not c[3]) and (asynchronous or not c[4])]
+    steps = group_size // 64
+    room = ASYNC_SHARED - (_rounded_bytes(groups * group_size) if a8 else 0)
+    return [
+        c
+        for c in _built(steps, glu)
+        if c[1] <= groups // split
+        and (lean or not c[3])
+        and (asynchronous or not c[4])
+        and _shared_bytes(steps, c, glu) <= room
+    ]
 
 
 def whole_rows(device: torch.device, group_size: int) -> bool:
@@ -153,17 +200,25 @@ def kernels(device: torch.device, group_steps: int, asynchronous: bool = False) 
     where they cannot be built (logged once). ASYNC ones are built apart, on first use: nothing pays for their
     build while they are not offered."""
     what = "CUDA int4 GEMV" + (" (ASYNC)" if asynchronous else "")
-    return cuda_rtc.load_or_none(SOURCE, list(_names(group_steps, asynchronous)), device, what)
+    names = _names(group_steps, asynchronous, A8)
+    return cuda_rtc.load_or_none(SOURCE, list(names), device, what)
 
 
 @functools.cache
-def _names(group_steps: int, asynchronous: bool) -> tuple[str, ...]:
-    """Every instance built for groups of `group_steps` steps, ASYNC or not (named once: `kernels` runs on every
-    launch)."""
+def _names(group_steps: int, asynchronous: bool, a8: bool) -> tuple[str, ...]:
+    """Every instance built for groups of `group_steps` steps, ASYNC or not, with the A8 ones or not (named once:
+    `kernels` runs on every launch)."""
     plain = [c for c in _built(group_steps, False) if c[4] == asynchronous]
     glu = [c for c in _built(group_steps, True) if c[4] == asynchronous]
     names = [_name(group_steps, c, split) for c in plain for split in (False, True)]
-    return (*names, *(_name(group_steps, c, False, glu=True) for c in glu))
+    names += [_name(group_steps, c, False, glu=True) for c in glu]
+    if a8:
+        names += [
+            _name(group_steps, c, False, glu, a8=True)
+            for glu, cs in ((False, plain), (True, glu))
+            for c in cs
+        ]
+    return tuple(names)
 
 
 def gemv(
@@ -179,7 +234,8 @@ def gemv(
 ) -> None:
     """y (M, N) bf16 = x (M, K) @ w.T; with split > 1, y (split, M, N) float32 partial sums over equal runs
     of K's groups; with glu (w is gate rows over up rows, 2N of them), y (M, N) = silu(gate) * up. words, sz:
-    `kernels.int4_mma_tile` and `kernels.int4_mma_scales` of w."""
+    `kernels.int4_mma_tile` and `kernels.int4_mma_scales` of w. Where `rounds`, the A8 kernels (the config
+    from `configs(..., a8=True)`)."""
     steps = group_size // 64
     fns = kernels(x.device, steps, config[4])
     if fns is None:
@@ -190,7 +246,13 @@ def gemv(
     grid = (-(-(N // 16) // tw), split)
     args = (x, words, sz, y, N, K, M)
     threads = tw * (2 if glu else 1) * kw * 32
-    cuda_rtc.launch(fns[_name(steps, config, split > 1, glu)], grid, threads, args, x.device, pdl)
+    a8 = rounds(M, split, K)
+    if a8 and _shared_bytes(steps, config, glu) + _rounded_bytes(K) > ASYNC_SHARED:
+        raise ValueError(
+            f"block shape {config} leaves no room for a rounded row of {K}: see configs(a8=True)"
+        )
+    fn = fns[_name(steps, config, split > 1, glu, a8)]
+    cuda_rtc.launch(fn, grid, threads, args, x.device, pdl, shared=_rounded_bytes(K) if a8 else 0)
 
 
 def silu_gate_up(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -206,7 +268,8 @@ def silu_gate_up(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_s
     def run(config: Config, w: tuple[torch.Tensor, ...]) -> None:
         gemv(x, w[0], w[1], y, group_size, config, 1, on, glu=True)
 
-    shapes = configs(group_size, K // group_size, 1, glu=True)
-    key = ("int4_glu", M, words.shape[0], K, group_size)
+    a8 = rounds(M, 1, K)
+    shapes = configs(group_size, K // group_size, 1, glu=True, a8=a8)
+    key = ("int4_glu", M, words.shape[0], K, group_size, a8)
     run(tuning.pick(key, shapes, run, (words, sz)), (words, sz))
     return y

@@ -282,10 +282,14 @@ def int4_mma_gemv(
         )
 
     if blocks is None:
-        candidates = list(WARPS)
-        if cuda:  # Ember's CUDA C++ kernel of the same layout and outputs (`ember.quant.cuda_int4`)
-            candidates += [{"CUDA": c} for c in cuda_int4.configs(group_size, K // group_size, split or 1)]
-        blocks = tuning.pick(("int4_mma", M, N, K, group_size, split), candidates, run, (words, sz))
+        # Ember's CUDA C++ kernel of the same layout and outputs (`ember.quant.cuda_int4`); for a row it rounds
+        # to int8, only its block shapes, so that every pick computes the same sums.
+        a8 = cuda and cuda_int4.rounds(M, split or 1, K)
+        candidates = [] if a8 else list(WARPS)
+        if cuda:
+            shapes = cuda_int4.configs(group_size, K // group_size, split or 1, a8=a8)
+            candidates += [{"CUDA": c} for c in shapes]
+        blocks = tuning.pick(("int4_mma", M, N, K, group_size, split, a8), candidates, run, (words, sz))
     run(blocks, (words, sz))
     return out
 

@@ -20,12 +20,26 @@
 // and later reading back its own 16-byte words, so nothing but cp.async.wait_group orders them). A warp's
 // registers hold DEPTH 2 groups (ptxas: 72-96 registers at DEPTH 2-4, LEAN spills at DEPTH 4), about 7 MB in
 // flight over an H200, which its memory needs more of to run at its bandwidth; shared memory holds DEPTH 8.
+//
+// A8 (one activation row): the block first rounds the row to int8 in shared memory, a float scale for each
+// block of 32 activations (amax / 127, as Ember's CPU int4 kernel and llama.cpp's q8 activations), and then
+// multiplies on the integer tensor cores: one LOP3 makes four u8 codes of an A register (the shift by 4 a
+// second four), and an mma.m16n8k32 of u8 codes and s8 activations does the work of four bf16 mma (two with
+// the ones). A step is two of them, each over one block of 32 (k 16 q + 8 i + 0..7 of lanes q, i = 0, 1:
+// the bf16 layout's nibbles, their activations permuted within 4s as `A8_ORDER` says), their int32 sums
+// scaled by the block's scale as floats. A group's sum is s * sum(q x') + min * sum(x'), x' the rounded
+// activations (so the sum's error is sum(w (x' - x)), of the weights as they are). On an H100 the integer
+// mma alone took 8% off whole int4-g128 Llama-3-8B steps, but every block rounding the row first cost more
+// (the step +4%: BENCHMARKS.md, thirty-second session), so ember.quant.cuda_int4.A8 is off: the rounding
+// belongs in the kernel that writes the row.
 
 #include "ember_cuda.cuh"
 
 constexpr u32 NIBBLES = 0x000F000Fu;  // a register's two nibbles after a shift by 0, 4, 8 or 12
 constexpr u32 BIAS = 0x43004300u;     // under 128's exponent: the bf16 pair 128 + q
 constexpr u32 ONES = 0x3F803F80u;     // the bf16 pair (1, 1)
+constexpr u32 NIBBLES8 = 0x0F0F0F0Fu; // four u8 codes of a register: its nibbles at bits 0-3 of each byte
+constexpr float MAGIC = 12582912.0f;  // 1.5 * 2^23: an int32 accumulator started at its bits holds it + the sum
 // Blocks a multiprocessor must hold (__launch_bounds__): LEAN kernels, 1024 threads' worth (at most 64
 // registers a thread); the others leave the registers to ptxas (0).
 #define MIN_BLOCKS(threads, lean) ((lean) && 1024 / (threads) > 0 ? 1024 / (threads) : 0)
@@ -64,6 +78,92 @@ __device__ __forceinline__ u32 operand(u32 v) {
   return r;
 }
 
+// D = A B + the accumulators' start, an int32 start of MAGIC's bits: the sum (|sum| < 2^22) then reads as the
+// float MAGIC + sum.
+__device__ __forceinline__ void imma(int (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%10, %10, %10, %10};"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(__float_as_uint(MAGIC)));
+}
+
+// One A8 step of 64 k: C += s_b * sum over block b of q x' for its 2 blocks, xq the lane's 16 int8 activations
+// and sc their blocks' scales. Only accumulators 0 and 2 (activation row 0) are summed: A8 runs one row.
+__device__ __forceinline__ void step8(uint4 w, uint4 xq, float2 sc, float (&C)[4]) {
+  const u32 words[4] = {w.x, w.y, w.z, w.w};
+  u32 lo[4], hi[4];
+#pragma unroll
+  for (int m = 0; m < 4; ++m) {
+    lo[m] = words[m] & NIBBLES8;         // row g: the nibbles at bits 0, 8, 16, 24
+    hi[m] = (words[m] >> 4) & NIBBLES8;  // row g + 8: bits 4, 12, 20, 28
+  }
+  int D[2][4];
+  imma(D[0], lo[0], hi[0], lo[1], hi[1], xq.x, xq.y);
+  imma(D[1], lo[2], hi[2], lo[3], hi[3], xq.z, xq.w);
+#pragma unroll
+  for (int c = 0; c < 4; c += 2) {
+    C[c] = fmaf(sc.x, __int_as_float(D[0][c]) - MAGIC, C[c]);
+    C[c] = fmaf(sc.y, __int_as_float(D[1][c]) - MAGIC, C[c]);
+  }
+}
+
+// A8's prologue: the activation row x (K) rounded to int8 into shared memory, xq[64 s + 16 q + p] = the
+// rounding of x[64 s + 16 q + A8_ORDER(p)] (A8_ORDER swaps the middle two of each 4), with each block of 32's
+// scale amax / 127 and the sum of its rounded activations (block 2 s + i: k 64 s + 16 q + 8 i + 0..7 for q <
+// 4). A thread takes chunks of 8 activations, chunk c at k 8 c (its block 2 (c / 8) + c % 2: lanes 2 and 4
+// apart share one), BATCH of them loaded before any is rounded (one wait on L2, not BATCH); every thread calls
+// it. A code is rounded as MAGIC + v is (to nearest even, as torch.round), whose low byte is then v's.
+template <int WARPS, int BATCH>
+__device__ __forceinline__ void round_row(const u16* __restrict__ x, int K, unsigned char* xq, float* scales,
+                                          float* sums) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, chunks = K >> 3;
+  for (int c0 = warp * 32; c0 < chunks; c0 += BATCH * WARPS * 32) {
+    uint4 v[BATCH];
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      const int c = c0 + b * WARPS * 32 + lane;
+      v[b] = c < chunks ? __ldg(reinterpret_cast<const uint4*>(x) + c) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+      const int c = c0 + b * WARPS * 32 + lane;
+      if (c - lane >= chunks) break;  // the warp's chunks are all past the row
+      const u32 pairs[4] = {v[b].x, v[b].y, v[b].z, v[b].w};
+      float f[8], amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        f[2 * i] = __uint_as_float(pairs[i] << 16);
+        f[2 * i + 1] = __uint_as_float(pairs[i] & 0xFFFF0000u);
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(f[i]));
+      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+      amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 4));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;  // |x inv| <= 127: no clamp
+      u32 r[8];
+      int sum = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        r[i] = __float_as_uint(__fadd_rn(__fmul_rn(f[i], inv), MAGIC));
+        sum += (int)(r[i] - __float_as_uint(MAGIC));
+      }
+      sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+      sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 4);
+      if (c < chunks) {  // the low bytes in A8_ORDER: 0, 2, 1, 3 of each 4
+        const u32 lo = __byte_perm(__byte_perm(r[0], r[2], 0x0040), __byte_perm(r[1], r[3], 0x0040), 0x5410);
+        const u32 hi = __byte_perm(__byte_perm(r[4], r[6], 0x0040), __byte_perm(r[5], r[7], 0x0040), 0x5410);
+        reinterpret_cast<uint2*>(xq)[c] = make_uint2(lo, hi);
+        if ((lane & 6) == 0) {  // one lane of the block's four
+          const int block = 2 * (c >> 3) + (c & 1);
+          const float scale = amax / 127.0f;
+          scales[block] = scale;
+          sums[block] = scale * (float)sum;
+        }
+      }
+    }
+  }
+}
+
 // One step of 64 k: C += (128 + q) x and X += x over the step's 4 mma. x: the lane's 16 activations, pairs
 // 2m and 2m + 1 being mma m's B operands.
 __device__ __forceinline__ void step(uint4 w, const uint4 (&x)[2], float (&C)[4], float (&X)[4]) {
@@ -84,12 +184,13 @@ __device__ __forceinline__ void step(uint4 w, const uint4 (&x)[2], float (&C)[4]
 // GLU: the weight is gate rows over up rows (2N of them) and y (M, N) = silu(gate) * up, each rounded where
 // the unfused bf16 ops round. LEAN: a group's activations are loaded as it is multiplied (not one group
 // ahead), for fewer registers and so more warps a multiprocessor (a small projection is all ramp and tail).
-template <int GS, int TW, int KW, int DEPTH, bool LEAN, bool SPLIT, bool GLU, bool ASYNC>
+template <int GS, int TW, int KW, int DEPTH, bool LEAN, bool SPLIT, bool GLU, bool ASYNC, bool A8>
 __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * (GLU ? 2 : 1) * KW * 32, LEAN))
     int4_mma_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u32* __restrict__ sz,
                   void* __restrict__ y, int N, int K, int M) {
   static_assert(!(GLU && SPLIT), "a gate/up GEMV stores whole rows");
   static_assert(!(ASYNC && LEAN), "LEAN's point is registers; ASYNC's ring is in shared memory");
+  static_assert(!(A8 && SPLIT), "A8 runs whole rows");
   constexpr int SLOTS = TW * (GLU ? 2 : 1);
   constexpr int WARPS = SLOTS * KW;
   pdl_launch_dependents();
@@ -134,10 +235,19 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
     }
   }
   pdl_wait();
-  uint4 xc[GS][2];
+  // A8: the row rounded to int8 (K bytes), then each block of 32's scale and sum (K / 32 floats each).
+  extern __shared__ __align__(16) unsigned char rounded[];
+  float* const xscale = reinterpret_cast<float*>(rounded + K);
+  float* const xsum = xscale + (K >> 5);
+  if (A8) {
+    round_row<WARPS, LEAN ? 2 : 4>(x, K, rounded, xscale, xsum);
+    __syncthreads();
+  }
+  const uint4* const xr = reinterpret_cast<const uint4*>(rounded) + q;  // A8: step s's at xr[4 s]
+  uint4 xc[GS][2];  // LEAN, A8: unused (the compiler drops them)
 #pragma unroll
-  for (int s = 0; s < GS; ++s) {
-    xc[s][0] = __ldg(xp + (min(first, top) * GS + s) * 8);  // LEAN: unused (the compiler drops them)
+  for (int s = 0; s < GS && !A8; ++s) {
+    xc[s][0] = __ldg(xp + (min(first, top) * GS + s) * 8);
     xc[s][1] = __ldg(xp + (min(first, top) * GS + s) * 8 + 1);
   }
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -150,7 +260,7 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
         const int at = LEAN ? first + j * KW : first + min(j + 1, n - 1) * KW;
         uint4 xn[GS][2];
 #pragma unroll
-        for (int s = 0; s < GS; ++s) {
+        for (int s = 0; s < GS && !A8; ++s) {
           xn[s][0] = __ldg(xp + (at * GS + s) * 8);
           xn[s][1] = __ldg(xp + (at * GS + s) * 8 + 1);
         }
@@ -162,13 +272,25 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
           zb[d][1] = zr[(2 * d + 1) * 32];
         }
         float C[4] = {0.0f, 0.0f, 0.0f, 0.0f}, X[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (A8) {  // X: the sum of the group's rounded activations
+          const int grp = first + j * KW;
 #pragma unroll
-        for (int s = 0; s < GS; ++s) step(wb[d][s], LEAN ? xn[s] : xc[s], C, X);
+          for (int s = 0; s < GS; ++s) {
+            const int st = grp * GS + s;
+            step8(wb[d][s], xr[4 * st], reinterpret_cast<const float2*>(xscale)[st], C);
+            X[0] += reinterpret_cast<const float2*>(xsum)[st].x + reinterpret_cast<const float2*>(xsum)[st].y;
+          }
+          X[2] = X[0];
+        } else {
+#pragma unroll
+          for (int s = 0; s < GS; ++s) step(wb[d][s], LEAN ? xn[s] : xc[s], C, X);
+        }
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const u32 f = zb[d][c >> 1];
           const float scale = __uint_as_float(f & 0xFFFF0000u), low = __uint_as_float(f << 16);
-          acc[c] = fmaf(scale, C[c], fmaf(-128.0f, scale, low) * X[c] + acc[c]);
+          acc[c] = A8 ? fmaf(scale, C[c], fmaf(low, X[c], acc[c]))  // u8 codes q: no 128 to take off
+                      : fmaf(scale, C[c], fmaf(-128.0f, scale, low) * X[c] + acc[c]);
         }
         if (j + DEPTH < n) {  // this slot's next group (ASYNC: the slot's words are in registers by now)
           const int grp = first + (j + DEPTH) * KW;
