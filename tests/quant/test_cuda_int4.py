@@ -208,3 +208,80 @@ def test_an_int4_mlp_decodes_as_its_float_math(monkeypatch):
     assert fused is not None and fused.shape == (1, 1, 256)
     gate, up = module(x).chunk(2, dim=-1)
     assert rel_err(silu_gate_up(module, x), torch.nn.functional.silu(gate) * up) < 2e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("group", [64, 128, 256])
+def test_rows_rounded_before_against_the_reference(group, monkeypatch):
+    # The A8 kernels that read a row rounded by the kernel before them (`round_row`'s layout), plain and gate/up
+    # + SwiGLU, every block shape and through the op; the row here rounded by torch.
+    from ember.quant import kernels
+
+    monkeypatch.setattr(cuda_int4, "ROUNDED_ROWS", True)
+    dev = torch.device("cuda")
+    N, K = 16 * 13, group * 24
+    words, sz, w = quantized(N, K, group, dev)
+    x = torch.randn(1, K, device=dev, dtype=torch.bfloat16)
+    x[:, 5] = 30.0
+    r = cuda_int4.round_row(x)
+    assert cuda_int4.rounded_fits(r, words, sz, group)
+    assert rel_err(cuda_int4.a8_reference(x, words, sz, group), x.float() @ w.T) < 2e-2
+    for glu in (False, True):  # gate/up: 2N rows of their own
+        rows = 2 * N if glu else N
+        wg, szg, _ = quantized(rows, K, group, dev) if glu else (words, sz, w)
+        ref = kernels.int4_mma_rounded_linear_reference(r, wg, szg, group, glu)
+        for config in cuda_int4.configs(group, K // group, 1, glu=glu, lean=True, asynchronous=True):
+            y = torch.full((1, N), float("nan"), device=dev, dtype=torch.bfloat16)
+            cuda_int4.gemv(r, wg, szg, y, group, config, 1, pdl=False, glu=glu, rounded=True)
+            assert rel_err(y, ref) < (6e-3 if glu else 3e-3), (config, glu)
+        got = kernels.int4_mma_rounded_linear(r, wg, szg, group, glu)  # the op: tuned, then one launch
+        assert got.shape == (1, N) and rel_err(got, ref) < (6e-3 if glu else 3e-3)
+
+
+@needs_cuda
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_the_norm_rounds_its_row_on_the_gpu_as_torch_does(offset):
+    # `ember::add_rms_norm_rounded`'s Triton kernel compiled (without FMA contraction): the same codes, scales
+    # and sums as `round_row` of its own normalised row.
+    from ember.ops.norm import add_rms_norm_rounded
+
+    dev = torch.device("cuda")
+    for E in (576, 4096):
+        x = torch.randn(1, 1, E, device=dev, dtype=torch.bfloat16) * 3
+        d = torch.randn(1, 1, E, device=dev, dtype=torch.bfloat16)
+        w = (torch.randn(E, device=dev) * 0.3 + 1).to(torch.bfloat16)
+        x[..., 100] = 80.0
+        h, out, r = add_rms_norm_rounded(x, d, w, 1e-5, offset)
+        assert torch.equal(r, cuda_int4.round_row(out.reshape(1, E))), E
+
+
+@needs_cuda
+def test_an_int4_decode_step_with_rows_rounded_by_the_norms(monkeypatch):
+    # ROUNDED_ROWS on a CUDA decode step: every layer's qkv and gate/up read their norm's rounded row, and the
+    # step's logits stay within the activations' rounding of the step without it.
+    from ember.bench import random_model
+    from ember.engine.kv_cache import StaticKVCache
+    from ember.quant.linear import Int4WeightOnlyLinear
+
+    monkeypatch.setattr(cuda_int4, "OFFERED", True)
+    monkeypatch.setattr(cuda_int4, "WHOLE_ROWS", True)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = random_model("tiny", device=dev, dtype=torch.bfloat16, quantize="int4-g64")
+    cfg = model.config
+    tokens = torch.randint(0, cfg.vocab_size, (1, 6), device=dev)
+    calls = []
+    rounded_forward = Int4WeightOnlyLinear.rounded_forward
+    monkeypatch.setattr(
+        Int4WeightOnlyLinear,
+        "rounded_forward",
+        lambda self, *a, **k: calls.append(1) or rounded_forward(self, *a, **k),
+    )
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(cuda_int4, "ROUNDED_ROWS", on)
+        cache = StaticKVCache(cfg, batch_size=1, max_seq_len=16, device=dev, dtype=torch.bfloat16)
+        model(tokens[:, :5], torch.arange(5, device=dev)[None], cache)
+        outs[on] = model(tokens[:, 5:], torch.tensor([[5]], device=dev), cache).float()
+    assert len(calls) == 2 * cfg.num_layers
+    assert 0 < rel_err(outs[True], outs[False]) < 3e-2

@@ -321,3 +321,56 @@ def test_a_decode_step_with_norms_and_adds_folded_into_int8_projections_is_the_s
         outs[fold] = model(tokens[:, 5:], torch.tensor([[5]]), cache)
     assert len(folded) == 2 * cfg.num_layers  # qkv and gate/up of every layer took their norm
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-6)
+
+
+def test_a_decode_step_with_int4_rows_rounded_by_the_norms_is_the_same_step(monkeypatch):
+    # `DecoderLayer.rounds`: on a CUDA decode row each pre-norm int4 layer's norms hand qkv and gate/up the row
+    # rounded to int8 (`cuda_int4.round_row`), which their GEMVs read as it is. Here the ops' twins stand in
+    # (CPU), and the other arm rounds qkv's and gate/up's own input the same way in the plain path, so what is
+    # checked is the plumbing: which norm's row each projection gets, the first layer's, SwiGLU, and that a
+    # prompt's rows are never rounded.
+    from ember.engine.kv_cache import StaticKVCache
+    from ember.quant import cuda_int4, kernels
+    from ember.quant.linear import Int4WeightOnlyLinear
+
+    torch.manual_seed(0)
+    model = random_model("tiny", device="cpu", dtype=torch.bfloat16, quantize="int4-g64")
+    for layer in model.model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.data = (torch.rand_like(norm.weight.float()) + 0.5).to(norm.weight.dtype)
+        for module in layer.modules():
+            if isinstance(module, Int4WeightOnlyLinear):  # the CUDA layout's buffers, built on CPU
+                module._words = kernels.int4_mma_tile(module.qweight)
+                module._msz = kernels.int4_mma_scales(module.scales, module.mins)
+    takers = {id(layer.self_attn.qkv_proj) for layer in model.model.layers}
+    takers |= {id(layer.mlp.gate_up_proj) for layer in model.model.layers}
+    cfg = model.config
+    tokens = torch.randint(0, cfg.vocab_size, (1, 6))
+    calls = []
+
+    def forward(self, x):  # the float product of the weights; of the rounded row for qkv and gate/up
+        if round_inputs and id(self) in takers and x.numel() == x.shape[-1]:
+            x = cuda_int4.unround_row(cuda_int4.round_row(x), x.shape[-1]).reshape(x.shape)
+        y = x.float() @ kernels.int4_mma_dequantize(self._words, self._msz, self.group_size).T
+        return y.to(torch.bfloat16)
+
+    rounded_forward = Int4WeightOnlyLinear.rounded_forward
+    monkeypatch.setattr(Int4WeightOnlyLinear, "forward", forward)
+    monkeypatch.setattr(Int4WeightOnlyLinear, "split_forward", forward)
+    monkeypatch.setattr(
+        Int4WeightOnlyLinear,
+        "rounded_forward",
+        lambda self, *a, **k: calls.append(id(self)) or rounded_forward(self, *a, **k),
+    )
+    outs = {}
+    for rounds in (False, True):
+        round_inputs = not rounds
+        monkeypatch.setattr(
+            Int4WeightOnlyLinear, "takes_rounded", lambda self, x, on=rounds: on and x.numel() == x.shape[-1]
+        )
+        cache = StaticKVCache(cfg, batch_size=1, max_seq_len=16, device="cpu", dtype=torch.bfloat16)
+        model(tokens[:, :5], torch.arange(5)[None], cache)  # the prompt: several rows, never rounded
+        assert not calls
+        outs[rounds] = model(tokens[:, 5:], torch.tensor([[5]]), cache)
+    assert sorted(calls) == sorted(takers)  # qkv and gate/up of every layer, once each
+    torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)

@@ -95,10 +95,16 @@ class MLP(nn.Module):
         x: torch.Tensor,
         split: bool = False,
         norm: RMSNorm | None = None,
+        rounded: torch.Tensor | None = None,
     ) -> torch.Tensor | SplitSum:
         """split: the down projection may return its partial sums (`project`) for the next norm to add. norm: x
         is the residual stream, and the result is x + MLP(norm(x)), the norm and the add folded into the GEMVs
-        (SwiGLU, projections that `fold`: `DecoderLayer.folds`)."""
+        (SwiGLU, projections that `fold`: `DecoderLayer.folds`). rounded: x rounded to int8 by the norm before,
+        for a gate/up projection that reads it so (SwiGLU: `DecoderLayer.rounds`)."""
+        if rounded is not None:
+            return project(
+                self.down_proj, self.gate_up_proj.rounded_forward(rounded, x.shape, glu=True), split
+            )
         if norm is not None:
             return self.down_proj.linear_add(self.gate_up_proj.norm_linear(x, norm, glu=True), x)
         if self.act is F.silu:  # SwiGLU: one kernel for the projection and the activation where it can
@@ -222,13 +228,18 @@ class Attention(nn.Module):
         cache: KVCache,
         split: bool = False,
         norm: RMSNorm | None = None,
+        rounded: torch.Tensor | None = None,
     ) -> torch.Tensor | SplitSum:
         """split: the output projection may return its partial sums (`project`) for the next norm to add. norm:
         x is the residual stream, and the result is x + attention(norm(x)), the norm and the add folded into
-        the qkv and output GEMVs (projections that `fold`: `DecoderLayer.folds`)."""
+        the qkv and output GEMVs (projections that `fold`: `DecoderLayer.folds`). rounded: x rounded to int8 by
+        the norm before, for a qkv projection that reads it so (`DecoderLayer.rounds`)."""
         B, T, _ = x.shape
         H, K, D = self.H, self.K, self.D
-        qkv = self.qkv_proj(x) if norm is None else self.qkv_proj.norm_linear(x, norm)
+        if rounded is not None:
+            qkv = self.qkv_proj.rounded_forward(rounded, x.shape)
+        else:
+            qkv = self.qkv_proj(x) if norm is None else self.qkv_proj.norm_linear(x, norm)
         q, k, v = qkv.split([H * D, K * D, K * D], dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -302,6 +313,14 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(x, cos, sin, cache, norm=self.input_layernorm)
             return self.mlp(h, norm=self.post_attention_layernorm), None
         split = split and m == 1.0  # a scaled branch is summed first
+        if self.rounds(x):  # the norms hand qkv and gate/up their rows rounded to int8 as well
+            h, n, r = self.input_layernorm.add_forward(
+                x, torch.zeros_like(x) if delta is None else delta, True
+            )
+            a = self.self_attn(n, cos, sin, cache, split, rounded=r)
+            h, n, r = self.post_attention_layernorm.add_forward(h, a * m if m != 1.0 else a, True)
+            f = self.mlp(n, split, rounded=r)
+            return h, f * m if m != 1.0 else f
         if delta is None:
             h, n = x, self.input_layernorm(x)
         else:
@@ -310,6 +329,19 @@ class DecoderLayer(nn.Module):
         h, n = self.post_attention_layernorm.add_forward(h, a * m if m != 1.0 else a)
         f = self.mlp(n, split)
         return h, f * m if m != 1.0 else f
+
+    def rounds(self, x: torch.Tensor) -> bool:
+        """Whether this pre-norm layer's norms hand its qkv and gate/up projections their decode row x rounded to
+        int8 as well (`ember.ops.norm.add_rms_norm_rounded`), for GEMVs on the integer tensor cores
+        (`Int4WeightOnlyLinear.takes_rounded`; `ember.quant.cuda_int4.ROUNDED_ROWS`). The MLP SwiGLU, the width a
+        multiple of 64, the norms' weights in the activations' dtype."""
+        if type(self.mlp) is not MLP or self.mlp.act is not F.silu or x.shape[-1] % 64:
+            return False
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        projections = (self.self_attn.qkv_proj, self.mlp.gate_up_proj)
+        return all(n.weight.dtype == x.dtype for n in norms) and all(
+            hasattr(p, "takes_rounded") and p.takes_rounded(x) for p in projections
+        )
 
     def folds(self, x: torch.Tensor) -> bool:
         """Whether this pre-norm layer runs its decode row x with both norms and residual adds inside its int8

@@ -9,7 +9,8 @@ Elsewhere it is the plain ops, `add_rms_norm_reference`, which the kernel is tes
 
 A split GEMV's float32 partial sums (`ember.quant.kernels.SplitSum`) can stand for delta: the kernel adds them
 as it loads them, in place of the pass that would (int4 o and down projections; one kernel and its
-boundary fewer per projection).
+boundary fewer per projection). `add_rms_norm_rounded` also returns the normalised row rounded to int8 for the
+int4 GEMVs after it (`ember.quant.cuda_int4.round_row`), which only this kernel holds whole.
 
 Shape legend: E features; x, delta (..., E); S runs of a split GEMV.
 """
@@ -66,6 +67,41 @@ def _(x, delta, weight, eps, offset):
     return add_rms_norm_reference(x, delta, weight, eps, offset)
 
 
+def add_rms_norm_rounded_reference(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_reference` of one row, and its norm rounded as `ember.quant.cuda_int4.round_row` rounds."""
+    from ember.quant.cuda_int4 import round_row
+
+    h, out = add_rms_norm_reference(x, delta, weight, eps, offset)
+    return h, out, round_row(out)
+
+
+@torch.library.custom_op("ember::add_rms_norm_rounded", mutates_args=())
+def add_rms_norm_rounded(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_rounded_reference`; one Triton kernel on CUDA."""
+    return add_rms_norm_rounded_reference(x, delta, weight, eps, offset)
+
+
+@add_rms_norm_rounded.register_fake
+def _(x, delta, weight, eps, offset):
+    E = x.shape[-1]
+    return torch.empty_like(x), torch.empty_like(x), x.new_empty(E + 8 * (E // 32), dtype=torch.uint8)
+
+
+@add_rms_norm_rounded.register_kernel("cuda")
+def _(x, delta, weight, eps, offset):
+    if HAS_TRITON and x.is_contiguous() and delta.is_contiguous() and weight.is_contiguous():
+        from ember.ops import triton_norm
+
+        E = x.shape[-1]
+        rounded = x.new_empty(E + 8 * (E // 32), dtype=torch.uint8)
+        return *triton_norm.add_rms_norm(x, delta, weight, eps, offset, rounded), rounded
+    return add_rms_norm_rounded_reference(x, delta, weight, eps, offset)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
@@ -77,12 +113,14 @@ class RMSNorm(nn.Module):
         return rms_norm_reference(x, self.weight, self.eps, self.offset)
 
     def add_forward(
-        self, x: torch.Tensor, delta: torch.Tensor | SplitSum
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, delta: torch.Tensor | SplitSum, rounded: bool = False
+    ) -> tuple[torch.Tensor, ...]:
         """(h, self(h)) for h = x + delta: one kernel for a decode row on CUDA (`add_rms_norm`), which also adds
-        a split GEMV's partial sums where delta is a `SplitSum`."""
+        a split GEMV's partial sums where delta is a `SplitSum`. rounded (one row of a multiple of 64): (h,
+        self(h), self(h) rounded to int8 as `ember.quant.cuda_int4.round_row` rounds it)."""
         split = isinstance(delta, SplitSum)
         d = delta.parts if split else delta  # both forms of the op's delta
+        args = (x, d, self.weight, self.eps, self.offset)
         if one_row_on_cuda(x) and x.dtype == self.weight.dtype and (split or d.dtype == x.dtype):
-            return add_rms_norm(x, d, self.weight, self.eps, self.offset)
-        return add_rms_norm_reference(x, d, self.weight, self.eps, self.offset)
+            return add_rms_norm_rounded(*args) if rounded else add_rms_norm(*args)
+        return add_rms_norm_rounded_reference(*args) if rounded else add_rms_norm_reference(*args)

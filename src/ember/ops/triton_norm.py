@@ -3,7 +3,8 @@ as S float32 partial sums (a split GEMV's, `ember.quant.kernels.SplitSum`), adde
 
 Rounded where the plain ops round (`ember.ops.norm.add_rms_norm_reference`): h in the activation dtype, the
 statistics in float32, and the normalised row rounded before the weight scales it (with an offset, after).
-Tested against the reference in Triton's interpreter on CPU.
+With ROUND it also stores the normalised row rounded to int8 for the int4 GEMVs that read it so
+(`ember.quant.cuda_int4.round_row`, bit for bit). Tested against the reference in Triton's interpreter on CPU.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ def _add_rms_norm_kernel(
     w_ptr,
     h_ptr,
     o_ptr,
+    q_ptr,
+    s_ptr,
+    u_ptr,
     eps,
     offset,
     part_stride,
@@ -29,9 +33,11 @@ def _add_rms_norm_kernel(
     BLOCK_E: tl.constexpr,
     OFFSET: tl.constexpr,
     SPLITS: tl.constexpr,
+    ROUND: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # SPLITS = 0: d_ptr holds delta in x's dtype; else SPLITS float32 partial sums, part_stride elements apart.
+    # ROUND (one row, E a multiple of 64): q_ptr, s_ptr, u_ptr take the row's int8 codes, block scales and sums.
     if PDL:  # `ember.ops.launch`: the weight needs nothing from the kernel before, the rows do
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64) * E
@@ -58,21 +64,53 @@ def _add_rms_norm_kernel(
     else:
         out = w.to(tl.float32) * (hf * r).to(dt).to(tl.float32)
     tl.store(o_ptr + row + re, out.to(dt), mask=ok)
+    if ROUND:  # blocks of 32: (step, lane t, block i, 8), k 64 step + 16 t + 8 i; padding rounds to 0
+        v = tl.reshape(out.to(dt).to(tl.float32), (BLOCK_E // 64, 4, 2, 8))
+        amax = tl.max(tl.max(tl.abs(v), axis=3, keep_dims=True), axis=1, keep_dims=True)
+        inv = tl.where(amax > 0.0, 127.0 / tl.where(amax > 0.0, amax, 1.0), 0.0)
+        # To nearest even as the sum's float rounds it (launched without FMA contraction, so v * inv rounds
+        # first, as in torch); |v * inv| <= 127.
+        codes = (v * inv + 12582912.0) - 12582912.0
+        scale = amax / 127.0
+        sums = tl.sum(tl.sum(codes, axis=3, keep_dims=True), axis=1, keep_dims=True) * scale
+        # lane t's 16 codes in k order but the middle two of each 4 swapped: (step, t, m, a, b) -> (.., b, a)
+        ordered = tl.reshape(
+            tl.permute(tl.reshape(codes, (BLOCK_E // 64, 4, 4, 2, 2)), (0, 1, 2, 4, 3)), (BLOCK_E,)
+        )
+        tl.store(q_ptr + re, ordered.to(tl.int8), mask=ok)
+        rb = tl.arange(0, BLOCK_E // 32)
+        tl.store(s_ptr + rb, tl.reshape(scale, (BLOCK_E // 32,)), mask=rb < E // 32)
+        tl.store(u_ptr + rb, tl.reshape(sums, (BLOCK_E // 32,)), mask=rb < E // 32)
 
 
 def add_rms_norm(
-    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, offset: float
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    offset: float,
+    rounded: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, delta (..., E) contiguous, weight (E,) -> (h, norm(h)) with h = x + delta, in x's dtype. delta may be
-    (S, ..., E) float32 partial sums instead, added in order and rounded to x's dtype."""
+    (S, ..., E) float32 partial sums instead, added in order and rounded to x's dtype. rounded: for one row (E
+    a multiple of 64), a uint8 buffer that takes norm(h) as `ember.quant.cuda_int4.round_row` rounds it."""
     E = x.shape[-1]
     splits = delta.shape[0] if delta.dim() == x.dim() + 1 else 0
     h, out = torch.empty_like(x), torch.empty_like(x)
     BLOCK_E = triton.next_power_of_2(E)
     # One program reads a row's S partials: with more warps, more of those loads are in flight at once.
     warps = min(32, max(1, BLOCK_E // 128)) if splits > 4 else min(16, max(1, BLOCK_E // 512))
+    if rounded is not None:
+        if x.numel() != E or E % 64 or rounded.numel() != E + 8 * (E // 32):
+            raise ValueError(f"a rounded norm takes one row of a multiple of 64, not {tuple(x.shape)}")
+        codes, scales, sums = rounded[:E].view(torch.int8), *rounded[E:].view(torch.float32).chunk(2)
+    else:
+        codes = scales = sums = out  # not written
+    options = launch_options(x.device)
+    if rounded is not None and x.is_cuda:
+        options["enable_fp_fusion"] = False  # the codes' v * inv rounded before the add that rounds it
     _add_rms_norm_kernel[(x.numel() // E,)](
-        x, delta, weight, h, out, eps, offset, x.numel(), E=E, BLOCK_E=BLOCK_E, OFFSET=offset != 0.0, SPLITS=splits,
-        num_warps=warps, **launch_options(x.device),
+        x, delta, weight, h, out, codes, scales, sums, eps, offset, x.numel(), E=E, BLOCK_E=BLOCK_E,
+        OFFSET=offset != 0.0, SPLITS=splits, ROUND=rounded is not None, num_warps=warps, **options,
     )  # fmt: skip
     return h, out

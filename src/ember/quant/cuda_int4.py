@@ -8,7 +8,8 @@ It also runs a gate/up projection with SwiGLU applied as it stores (`silu_gate_u
 does not: with `WHOLE_ROWS` an int4 MLP's gate/up is one kernel (`Int4WeightOnlyLinear.fused_silu_gate_up`).
 With `A8` (off: it lost, see below), one activation row (a decode step) is rounded to int8 in blocks of 32 by
 each block of the kernel and multiplied on the integer tensor cores (`rounds`; `a8_reference` is that arithmetic
-in torch).
+in torch). With `ROUNDED_ROWS` the row comes rounded by the norm kernel before the GEMV (`round_row`'s layout;
+`linear_rounded`), for a pre-norm int4 layer's qkv and gate/up (`ember.models.decoder.DecoderLayer.rounds`).
 
 Shape legend: M rows of activations, K input features, N output features, g group size, S runs of K.
 """
@@ -73,15 +74,20 @@ ASYNC_SHARED = 48 * 1024  # shared memory a block may have without asking for mo
 # So off, and its instances are not built; the rounding belongs in the kernels that write the activations.
 A8 = False
 A8_BLOCK = 32  # activations an int8 scale
+# Whether pre-norm int4 layers hand their qkv and gate/up GEMVs rows rounded by the norm before them (its
+# kernel holds the whole row: `ember.ops.norm.add_rms_norm_rounded`), for the kernels that read them as they
+# are (`linear_rounded`, `silu_gate_up_rounded`). Not yet run on a GPU: off until its GPU tests have passed.
+ROUNDED_ROWS = False
 
 
 Config = tuple[int, int, int, bool, bool]  # (TW, KW, DEPTH, LEAN, ASYNC)
 
 
-def _name(group_steps: int, config: Config, split: bool, glu: bool = False, a8: bool = False) -> str:
+def _name(group_steps: int, config: Config, split: bool, glu: bool = False, a8: int = 0) -> str:
+    """a8: 0 bf16 activations, 1 a row rounded by each block (`A8`), 2 a row rounded before (`round_row`)."""
     tw, kw, depth, lean, asynchronous = config
-    flags = ", ".join("true" if f else "false" for f in (lean, split, glu, asynchronous, a8))
-    return f"int4_mma_gemv<{group_steps}, {tw}, {kw}, {depth}, {flags}>"
+    flags = ", ".join("true" if f else "false" for f in (lean, split, glu, asynchronous))
+    return f"int4_mma_gemv<{group_steps}, {tw}, {kw}, {depth}, {flags}, {a8}>"
 
 
 def _shared_bytes(group_steps: int, config: Config, glu: bool) -> int:
@@ -93,7 +99,8 @@ def _shared_bytes(group_steps: int, config: Config, glu: bool) -> int:
 
 
 def _rounded_bytes(K: int) -> int:
-    """A8's dynamic shared memory: the row's K int8 activations, and a float scale and sum a block of 32."""
+    """A rounded row's bytes (`round_row`; A8's dynamic shared memory): K int8 codes, and a float scale and sum
+    a block of 32."""
     return K + 8 * (K // A8_BLOCK)
 
 
@@ -103,19 +110,38 @@ def rounds(rows: int, split: int, K: int) -> bool:
     return A8 and rows == 1 and split == 1 and _rounded_bytes(K) <= 32 * 1024
 
 
-def a8_reference(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
-    """What the A8 kernels compute, in float32 (M, N), for x (M, K) and `kernels.int4_mma_tile` words and
-    `kernels.int4_mma_scales` factors: x' @ w.T, w = q * s + min, x' each block of 32 activations rounded to
-    int8, round(x * (127 / amax)) * (amax / 127) (a 64-k step's lanes t < 4 hold k 16 t + 0..15, and its block
-    i takes their k 16 t + 8 i + 0..7)."""
-    from ember.quant.kernels import int4_mma_dequantize
-
-    M, K = x.shape
-    blocks = x.float().reshape(M, K // 64, 4, 2, 8)  # (M, step, lane t, block i, 8)
-    amax = blocks.abs().amax(dim=(2, 4), keepdim=True)
+def round_row(x: torch.Tensor) -> torch.Tensor:
+    """A row x (K,) or (1, K) rounded as the A8 kernels round it, in their layout: uint8 (K + 8 K / 32,) = K int8
+    codes, then a float32 scale and a float32 sum for each block of 32. Block 2 s + i holds k 64 s + 16 t + 8 i +
+    0..7 for t < 4 (the 64-k step s's lanes t hold k 16 t + 0..15); its scale is amax / 127 and its codes
+    round(x * (127 / amax)) (to nearest even), its sum theirs times the scale; lane t's 16 codes lie at 64 s +
+    16 t in their k order with the middle two of each 4 swapped (the order of the weights' nibbles)."""
+    K = x.shape[-1]
+    blocks = x.float().reshape(K // 64, 4, 2, 8)  # (step, lane t, block i, 8)
+    amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     codes = torch.round(blocks * inv).clamp(-127, 127)
-    rounded = (codes * (amax / 127.0)).reshape(M, K)
+    scale = amax / 127.0
+    sums = codes.sum(dim=(1, 3), keepdim=True) * scale
+    ordered = codes.reshape(K // 64, 4, 4, 2, 2).transpose(-1, -2).reshape(K)
+    parts = (ordered.to(torch.int8).view(torch.uint8), scale.reshape(-1), sums.reshape(-1))
+    return torch.cat([p.contiguous().view(torch.uint8) for p in parts])
+
+
+def unround_row(r: torch.Tensor, K: int) -> torch.Tensor:
+    """The float32 row (1, K) a `round_row` buffer stands for: each code times its block's scale."""
+    codes = r[:K].view(torch.int8).float().reshape(K // 64, 4, 4, 2, 2).transpose(-1, -2)
+    scale = r[K : K + 4 * (K // A8_BLOCK)].view(torch.float32).reshape(K // 64, 1, 2, 1)
+    return (codes.reshape(K // 64, 4, 2, 8) * scale).reshape(1, K)
+
+
+def a8_reference(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
+    """What the A8 kernels compute, in float32 (M, N), for x (M, K) and `kernels.int4_mma_tile` words and
+    `kernels.int4_mma_scales` factors: x' @ w.T, w = q * s + min, x' each row as `round_row` rounds it."""
+    from ember.quant.kernels import int4_mma_dequantize
+
+    K = x.shape[1]
+    rounded = torch.cat([unround_row(round_row(row), K) for row in x])
     return rounded @ int4_mma_dequantize(words, sz, group_size).T
 
 
@@ -200,23 +226,21 @@ def kernels(device: torch.device, group_steps: int, asynchronous: bool = False) 
     where they cannot be built (logged once). ASYNC ones are built apart, on first use: nothing pays for their
     build while they are not offered."""
     what = "CUDA int4 GEMV" + (" (ASYNC)" if asynchronous else "")
-    names = _names(group_steps, asynchronous, A8)
+    names = _names(group_steps, asynchronous, (1,) * A8 + (2,) * ROUNDED_ROWS)
     return cuda_rtc.load_or_none(SOURCE, list(names), device, what)
 
 
 @functools.cache
-def _names(group_steps: int, asynchronous: bool, a8: bool) -> tuple[str, ...]:
-    """Every instance built for groups of `group_steps` steps, ASYNC or not, with the A8 ones or not (named once:
-    `kernels` runs on every launch)."""
+def _names(group_steps: int, asynchronous: bool, a8: tuple[int, ...]) -> tuple[str, ...]:
+    """Every instance built for groups of `group_steps` steps, ASYNC or not, with the A8 ones of the modes `a8`
+    (named once: `kernels` runs on every launch)."""
     plain = [c for c in _built(group_steps, False) if c[4] == asynchronous]
     glu = [c for c in _built(group_steps, True) if c[4] == asynchronous]
     names = [_name(group_steps, c, split) for c in plain for split in (False, True)]
     names += [_name(group_steps, c, False, glu=True) for c in glu]
-    if a8:
+    for mode in a8:
         names += [
-            _name(group_steps, c, False, glu, a8=True)
-            for glu, cs in ((False, plain), (True, glu))
-            for c in cs
+            _name(group_steps, c, False, g, mode) for g, cs in ((False, plain), (True, glu)) for c in cs
         ]
     return tuple(names)
 
@@ -231,28 +255,30 @@ def gemv(
     split: int,
     pdl: bool,
     glu: bool = False,
+    rounded: bool = False,
 ) -> None:
     """y (M, N) bf16 = x (M, K) @ w.T; with split > 1, y (split, M, N) float32 partial sums over equal runs
     of K's groups; with glu (w is gate rows over up rows, 2N of them), y (M, N) = silu(gate) * up. words, sz:
-    `kernels.int4_mma_tile` and `kernels.int4_mma_scales` of w. Where `rounds`, the A8 kernels (the config
-    from `configs(..., a8=True)`)."""
+    `kernels.int4_mma_tile` and `kernels.int4_mma_scales` of w. Where `rounds`, the A8 kernels that round the
+    row (the config from `configs(..., a8=True)`); with `rounded`, x is a row as `round_row` leaves it (M = 1)
+    and the A8 kernels read it as it is."""
     steps = group_size // 64
     fns = kernels(x.device, steps, config[4])
     if fns is None:
         raise cuda_rtc.CudaError("the CUDA int4 GEMV is not built")
-    M, K = x.shape
+    M, K = (1, words.shape[1] * 8) if rounded else x.shape
     N = words.shape[0] // (2 if glu else 1)
     tw, kw = config[:2]
     grid = (-(-(N // 16) // tw), split)
     args = (x, words, sz, y, N, K, M)
     threads = tw * (2 if glu else 1) * kw * 32
-    a8 = rounds(M, split, K)
-    if a8 and _shared_bytes(steps, config, glu) + _rounded_bytes(K) > ASYNC_SHARED:
+    a8 = 2 if rounded else int(rounds(M, split, K))
+    if a8 == 1 and _shared_bytes(steps, config, glu) + _rounded_bytes(K) > ASYNC_SHARED:
         raise ValueError(
             f"block shape {config} leaves no room for a rounded row of {K}: see configs(a8=True)"
         )
     fn = fns[_name(steps, config, split > 1, glu, a8)]
-    cuda_rtc.launch(fn, grid, threads, args, x.device, pdl, shared=_rounded_bytes(K) if a8 else 0)
+    cuda_rtc.launch(fn, grid, threads, args, x.device, pdl, shared=_rounded_bytes(K) if a8 == 1 else 0)
 
 
 def silu_gate_up(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -271,5 +297,43 @@ def silu_gate_up(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_s
     a8 = rounds(M, 1, K)
     shapes = configs(group_size, K // group_size, 1, glu=True, a8=a8)
     key = ("int4_glu", M, words.shape[0], K, group_size, a8)
+    run(tuning.pick(key, shapes, run, (words, sz)), (words, sz))
+    return y
+
+
+def rounded_fits(r: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> bool:
+    """Whether the A8 kernels that read a rounded row (`round_row`) run with these operands."""
+    return (
+        ROUNDED_ROWS
+        and r.is_cuda
+        and r.dtype == torch.uint8
+        and r.numel() == _rounded_bytes(words.shape[1] * 8)
+        and r.data_ptr() % 16 == 0
+        and words.dtype == torch.int32
+        and sz.dtype == torch.int32
+        and words.is_contiguous()
+        and sz.is_contiguous()
+        and _ready(cuda_rtc.device_index(r.device), group_size)
+    )
+
+
+def linear_rounded(
+    r: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, glu: bool = False
+) -> torch.Tensor:
+    """y (1, N) bf16 of a rounded row r (`round_row`) and a weight in the tensor-core layout (with glu, a gate/up
+    weight of 2N rows, and y = silu(gate) * up), as one kernel; the block shape timed once per shape. Needs
+    `rounded_fits`."""
+    from ember.ops.launch import pdl
+    from ember.quant import tuning
+
+    K = words.shape[1] * 8
+    y = torch.empty(1, words.shape[0] // (2 if glu else 1), device=r.device, dtype=torch.bfloat16)
+    on = pdl(r.device)
+
+    def run(config: Config, w: tuple[torch.Tensor, ...]) -> None:
+        gemv(r, w[0], w[1], y, group_size, config, 1, on, glu=glu, rounded=True)
+
+    shapes = configs(group_size, K // group_size, 1, glu=glu)
+    key = ("int4_rounded", words.shape[0], K, group_size, glu)
     run(tuning.pick(key, shapes, run, (words, sz)), (words, sz))
     return y

@@ -595,3 +595,42 @@ def _(x, words, sz, group_size):
     if cuda_int4.fits(x, words, sz, group_size) and (words.shape[0] // 2) % 16 == 0:
         return cuda_int4.silu_gate_up(x, words, sz, group_size)
     return int4_mma_silu_gate_up_reference(x, words, sz, group_size)
+
+
+def int4_mma_rounded_linear_reference(
+    r: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, glu: bool
+) -> torch.Tensor:
+    """y (1, N) bf16 of a row rounded to int8 (`ember.quant.cuda_int4.round_row`'s buffer r) and a weight in the
+    tensor-core layout: the rounded row's values x' @ w.T; with glu (a gate/up weight of 2N rows), silu(gate) *
+    up of those, as `int4_mma_silu_gate_up_reference` rounds."""
+    from ember.quant.cuda_int4 import unround_row
+
+    x = unround_row(r, words.shape[1] * 8)
+    y = (x @ int4_mma_dequantize(words, sz, group_size).T).to(torch.bfloat16)
+    if glu:
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return y
+
+
+@torch.library.custom_op("ember::int4_mma_rounded_linear", mutates_args=())
+def int4_mma_rounded_linear(
+    r: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int, glu: bool
+) -> torch.Tensor:
+    """`int4_mma_rounded_linear_reference`; on CUDA the CUDA C++ int4 GEMV that reads the rounded row as it is
+    (`ember.quant.cuda_int4.linear_rounded`)."""
+    return int4_mma_rounded_linear_reference(r, words, sz, group_size, glu)
+
+
+@int4_mma_rounded_linear.register_fake
+def _(r, words, sz, group_size, glu):
+    return r.new_empty(1, words.shape[0] // (2 if glu else 1), dtype=torch.bfloat16)
+
+
+@int4_mma_rounded_linear.register_kernel("cuda")
+def _(r, words, sz, group_size, glu):
+    from ember.quant import cuda_int4
+
+    if cuda_int4.rounded_fits(r, words, sz, group_size) and (not glu or (words.shape[0] // 2) % 16 == 0):
+        return cuda_int4.linear_rounded(r, words, sz, group_size, glu)
+    return int4_mma_rounded_linear_reference(r, words, sz, group_size, glu)

@@ -476,6 +476,23 @@ class Int4WeightOnlyLinear(QuantLinear):
             return None
         return y.reshape(*x.shape[:-1], -1)
 
+    def takes_rounded(self, x: torch.Tensor) -> bool:
+        """Whether a decode row like x (one bf16 row on CUDA) runs this projection from the row rounded to int8
+        by the norm before it (`rounded_forward`; `ember.quant.cuda_int4.ROUNDED_ROWS`): the CUDA C++ int4 GEMV
+        over whole rows, no bias."""
+        if not self._whole_rows or self.bias is not None:
+            return False
+        from ember.quant import cuda_int4
+
+        return cuda_int4.ROUNDED_ROWS and x.is_cuda and x.numel() == x.shape[-1] and x.dtype == torch.bfloat16
+
+    def rounded_forward(self, r: torch.Tensor, shape: torch.Size, glu: bool = False) -> torch.Tensor:
+        """self(x) for the row x of `shape` given as r, the row rounded to int8 (`cuda_int4.round_row`'s buffer),
+        or silu(gate) * up of it with glu (a gate/up projection): one GEMV on the integer tensor cores
+        (`kernels.int4_mma_rounded_linear`; `takes_rounded`)."""
+        y = kernels.int4_mma_rounded_linear(r, self._words, self._msz, self.group_size, glu)
+        return y.reshape(*shape[:-1], -1)
+
     def split_forward(self, x: torch.Tensor) -> torch.Tensor | kernels.SplitSum:
         """forward(x); or, for one decode row on CUDA where the tiled GEMV splits K, its float32 partial sums
         (`kernels.SplitSum`) for a consumer that adds them as it reads them, in place of the pass that would."""

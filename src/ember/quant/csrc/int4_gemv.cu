@@ -21,17 +21,17 @@
 // registers hold DEPTH 2 groups (ptxas: 72-96 registers at DEPTH 2-4, LEAN spills at DEPTH 4), about 7 MB in
 // flight over an H200, which its memory needs more of to run at its bandwidth; shared memory holds DEPTH 8.
 //
-// A8 (one activation row): the block first rounds the row to int8 in shared memory, a float scale for each
-// block of 32 activations (amax / 127, as Ember's CPU int4 kernel and llama.cpp's q8 activations), and then
-// multiplies on the integer tensor cores: one LOP3 makes four u8 codes of an A register (the shift by 4 a
-// second four), and an mma.m16n8k32 of u8 codes and s8 activations does the work of four bf16 mma (two with
-// the ones). A step is two of them, each over one block of 32 (k 16 q + 8 i + 0..7 of lanes q, i = 0, 1:
-// the bf16 layout's nibbles, their activations permuted within 4s as `A8_ORDER` says), their int32 sums
-// scaled by the block's scale as floats. A group's sum is s * sum(q x') + min * sum(x'), x' the rounded
-// activations (so the sum's error is sum(w (x' - x)), of the weights as they are). On an H100 the integer
-// mma alone took 8% off whole int4-g128 Llama-3-8B steps, but every block rounding the row first cost more
-// (the step +4%: BENCHMARKS.md, thirty-second session), so ember.quant.cuda_int4.A8 is off: the rounding
-// belongs in the kernel that writes the row.
+// A8 (one activation row): the row rounded to int8, a float scale for each block of 32 activations (amax /
+// 127, as Ember's CPU int4 kernel and llama.cpp's q8 activations), by the block into shared memory (A8 1) or
+// before, by the kernel that wrote the row (A8 2: x points at the rounded row), and multiplied on the integer
+// tensor cores: one LOP3 makes four u8 codes of an A register (the shift by 4 a second four), and an
+// mma.m16n8k32 of u8 codes and s8 activations does the work of four bf16 mma (two with the ones). A step is
+// two of them, each over one block of 32 (k 16 q + 8 i + 0..7 of lanes q, i = 0, 1: the bf16 layout's
+// nibbles, their activations permuted within 4s as `A8_ORDER` says), their int32 sums scaled by the block's
+// scale as floats. A group's sum is s * sum(q x') + min * sum(x'), x' the rounded activations (so the sum's
+// error is sum(w (x' - x)), of the weights as they are). On an H100 the integer mma alone took 8% off whole
+// int4-g128 Llama-3-8B steps, but every block rounding the row first (A8 1) cost more (the step +4%:
+// BENCHMARKS.md, thirty-second session); A8 2 is the rounding where the row is written.
 
 #include "ember_cuda.cuh"
 
@@ -76,6 +76,12 @@ __device__ __forceinline__ u32 operand(u32 v) {
   u32 r;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(v), "n"(NIBBLES), "n"(BIAS));
   return r;
+}
+
+// *p, through the read-only cache where it is global memory (GLOBAL), else from shared memory.
+template <bool GLOBAL, typename T>
+__device__ __forceinline__ T read(const T* p) {
+  return GLOBAL ? __ldg(p) : *p;
 }
 
 // D = A B + the accumulators' start, an int32 start of MAGIC's bits: the sum (|sum| < 2^22) then reads as the
@@ -184,7 +190,7 @@ __device__ __forceinline__ void step(uint4 w, const uint4 (&x)[2], float (&C)[4]
 // GLU: the weight is gate rows over up rows (2N of them) and y (M, N) = silu(gate) * up, each rounded where
 // the unfused bf16 ops round. LEAN: a group's activations are loaded as it is multiplied (not one group
 // ahead), for fewer registers and so more warps a multiprocessor (a small projection is all ramp and tail).
-template <int GS, int TW, int KW, int DEPTH, bool LEAN, bool SPLIT, bool GLU, bool ASYNC, bool A8>
+template <int GS, int TW, int KW, int DEPTH, bool LEAN, bool SPLIT, bool GLU, bool ASYNC, int A8>
 __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * (GLU ? 2 : 1) * KW * 32, LEAN))
     int4_mma_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u32* __restrict__ sz,
                   void* __restrict__ y, int N, int K, int M) {
@@ -235,12 +241,15 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
     }
   }
   pdl_wait();
-  // A8: the row rounded to int8 (K bytes), then each block of 32's scale and sum (K / 32 floats each).
-  extern __shared__ __align__(16) unsigned char rounded[];
-  float* const xscale = reinterpret_cast<float*>(rounded + K);
-  float* const xsum = xscale + (K >> 5);
-  if (A8) {
-    round_row<WARPS, LEAN ? 2 : 4>(x, K, rounded, xscale, xsum);
+  // A8: the row rounded to int8 (K bytes), then each block of 32's scale and sum (K / 32 floats each): with
+  // A8 1 rounded here into shared memory, with A8 2 what x points at (`ember.quant.cuda_int4.round_row`).
+  extern __shared__ __align__(16) unsigned char shared_row[];
+  const unsigned char* const rounded = A8 == 2 ? reinterpret_cast<const unsigned char*>(x) : shared_row;
+  const float2* const xscale = reinterpret_cast<const float2*>(rounded + K);  // step s's two at xscale[s]
+  const float2* const xsum = xscale + (K >> 6);
+  if (A8 == 1) {
+    float* const scales = reinterpret_cast<float*>(shared_row + K);
+    round_row<WARPS, LEAN ? 2 : 4>(x, K, shared_row, scales, scales + (K >> 5));
     __syncthreads();
   }
   const uint4* const xr = reinterpret_cast<const uint4*>(rounded) + q;  // A8: step s's at xr[4 s]
@@ -277,8 +286,9 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
 #pragma unroll
           for (int s = 0; s < GS; ++s) {
             const int st = grp * GS + s;
-            step8(wb[d][s], xr[4 * st], reinterpret_cast<const float2*>(xscale)[st], C);
-            X[0] += reinterpret_cast<const float2*>(xsum)[st].x + reinterpret_cast<const float2*>(xsum)[st].y;
+            step8(wb[d][s], read<A8 == 2>(xr + 4 * st), read<A8 == 2>(xscale + st), C);
+            const float2 sums = read<A8 == 2>(xsum + st);
+            X[0] += sums.x + sums.y;
           }
           X[2] = X[0];
         } else {
