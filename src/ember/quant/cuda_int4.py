@@ -76,7 +76,7 @@ A8 = False
 A8_BLOCK = 32  # activations an int8 scale
 # Whether pre-norm int4 layers hand their qkv and gate/up GEMVs rows rounded by the norm before them (its
 # kernel holds the whole row: `ember.ops.norm.add_rms_norm_rounded`), for the kernels that read them as they
-# are (`linear_rounded`, `silu_gate_up_rounded`). Not yet run on a GPU: off until its GPU tests have passed.
+# are (`linear_rounded`). Not yet run on a GPU: off until its GPU tests have passed.
 ROUNDED_ROWS = False
 
 
