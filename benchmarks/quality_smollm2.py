@@ -8,6 +8,10 @@ The last column runs the prompt through the compiled forward (`--compile-prefill
 weight-only projections there are dequantized for a GEMM in `ember.quant.linear.CPU_GEMM_DTYPE` (bf16 on CPUs
 with bf16 dot products) instead of torch's weight-only kernel, and so are int4 ones where Ember's CPU kernel
 (`ember.ops.cpu_ext`, int8 activation codes) is not built; where it is, int4 runs it eager and compiled.
+
+`--rounded-rows` adds the float model with each layer's qkv and gate/up input rows rounded to bf16 and then
+to int8 as `ember.quant.cuda_int4.round_row` rounds them (what those GEMVs read on a GPU with
+`cuda_int4.ROUNDED_ROWS`), so the rounding's cost in perplexity is measured apart from the weights'.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from ember.loading.checkpoint import load
 from ember.quant import linear, perplexity, quantize_model
+from ember.quant.cuda_int4 import round_row, unround_row
 
 TEXT = (
     "The French Revolution was a period of political and societal change in France that began with the Estates "
@@ -33,6 +38,21 @@ TEXT = (
 )
 
 
+def round_rows(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with each layer's qkv and gate/up inputs rounded as `round_row` rounds a bf16 row (in place)."""
+
+    def hook(module: torch.nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        K = x.shape[-1]
+        rows = [unround_row(round_row(row.to(torch.bfloat16)), K) for row in x.reshape(-1, K)]
+        return (torch.cat(rows).to(x.dtype).reshape(x.shape), *args[1:])
+
+    for layer in model.model.layers:
+        layer.self_attn.qkv_proj.register_forward_pre_hook(hook)
+        layer.mlp.gate_up_proj.register_forward_pre_hook(hook)
+    return model
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument(
@@ -41,6 +61,7 @@ def main() -> None:
         help="a name or path (GGUF files: their float weights are the file's dequantized ones)",
     )
     ap.add_argument("--schemes", nargs="*", default=["int8", "int8-dyn", "int4-g32", "int4-g64", "gguf"])
+    ap.add_argument("--rounded-rows", action="store_true", help="also the float model with rounded rows")
     args = ap.parse_args()
     torch.set_num_threads(2)
     base = load(args.model, device="cpu", progress=False)
@@ -52,6 +73,11 @@ def main() -> None:
         f"   ({args.model}, {tokens.shape[1]} tokens, CPU GEMMs in {linear.CPU_GEMM_DTYPE})"
     )
     print(f"{'float32':<10}{ref:>16.4f}")
+    if args.rounded_rows:
+        r = perplexity(round_rows(load(args.model, device="cpu", progress=False).model), tokens)
+        print(
+            f"{'rounded':<10}{r:>16.4f}{100 * (r - ref) / ref:>+11.2f}%   (float32, qkv and gate/up rows in int8)"
+        )
     for scheme in args.schemes:
         # As `--quantize` loads (GGUF 4-bit tensors taken as they are under int4-g32), and quantizing the
         # float model after loading it.
