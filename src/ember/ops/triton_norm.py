@@ -64,20 +64,20 @@ def _add_rms_norm_kernel(
     else:
         out = w.to(tl.float32) * (hf * r).to(dt).to(tl.float32)
     tl.store(o_ptr + row + re, out.to(dt), mask=ok)
-    if ROUND:  # blocks of 32: (step, lane t, block i, 8), k 64 step + 16 t + 8 i; padding rounds to 0
-        v = tl.reshape(out.to(dt).to(tl.float32), (BLOCK_E // 64, 4, 2, 8))
-        amax = tl.max(tl.max(tl.abs(v), axis=3, keep_dims=True), axis=1, keep_dims=True)
-        inv = tl.where(amax > 0.0, 127.0 / tl.where(amax > 0.0, amax, 1.0), 0.0)
+    if ROUND:  # chunks of 8 (step s, lane t, block i), k 64 s + 16 t + 8 i; a block: 4 chunks; padding: 0s
+        chunks = tl.reshape(out.to(dt).to(tl.float32), (BLOCK_E // 8, 8))
+        cmax = tl.reshape(tl.max(tl.abs(chunks), axis=1), (BLOCK_E // 64, 4, 2))
+        amax = tl.max(cmax, axis=1)  # (step, block i)
+        at = tl.reshape(tl.broadcast_to(tl.expand_dims(amax, 1), (BLOCK_E // 64, 4, 2)), (BLOCK_E // 8,))
+        inv = tl.expand_dims(tl.where(at > 0.0, 127.0 / tl.where(at > 0.0, at, 1.0), 0.0), 1)
         # To nearest even as the sum's float rounds it (launched without FMA contraction, so v * inv rounds
         # first, as in torch); |v * inv| <= 127.
-        codes = (v * inv + 12582912.0) - 12582912.0
+        codes = (chunks * inv + 12582912.0) - 12582912.0
         scale = amax / 127.0
-        sums = tl.sum(tl.sum(codes, axis=3, keep_dims=True), axis=1, keep_dims=True) * scale
-        # lane t's 16 codes in k order but the middle two of each 4 swapped: (step, t, m, a, b) -> (.., b, a)
-        ordered = tl.reshape(
-            tl.permute(tl.reshape(codes, (BLOCK_E // 64, 4, 4, 2, 2)), (0, 1, 2, 4, 3)), (BLOCK_E,)
-        )
-        tl.store(q_ptr + re, ordered.to(tl.int8), mask=ok)
+        sums = tl.sum(tl.reshape(tl.sum(codes, axis=1), (BLOCK_E // 64, 4, 2)), axis=1) * scale
+        # lane t's 16 codes in k order but the middle two of each 4 swapped (bits 0 and 1 of k)
+        to = (re & ~3) | ((re & 1) << 1) | ((re >> 1) & 1)
+        tl.store(q_ptr + to, tl.reshape(codes, (BLOCK_E,)).to(tl.int8), mask=ok)
         rb = tl.arange(0, BLOCK_E // 32)
         tl.store(s_ptr + rb, tl.reshape(scale, (BLOCK_E // 32,)), mask=rb < E // 32)
         tl.store(u_ptr + rb, tl.reshape(sums, (BLOCK_E // 32,)), mask=rb < E // 32)
