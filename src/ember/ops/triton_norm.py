@@ -69,11 +69,13 @@ def _add_rms_norm_kernel(
         cmax = tl.reshape(tl.max(tl.abs(chunks), axis=1), (BLOCK_E // 64, 4, 2))
         amax = tl.max(cmax, axis=1)  # (step, block i)
         at = tl.reshape(tl.broadcast_to(tl.expand_dims(amax, 1), (BLOCK_E // 64, 4, 2)), (BLOCK_E // 8,))
-        inv = tl.expand_dims(tl.where(at > 0.0, 127.0 / tl.where(at > 0.0, at, 1.0), 0.0), 1)
+        # Divisions rounded to nearest (IEEE), as torch's: a GPU's `/` may be an ulp off.
+        inv = tl.math.div_rn(tl.full(at.shape, 127.0, tl.float32), tl.where(at > 0.0, at, 1.0))
+        inv = tl.expand_dims(tl.where(at > 0.0, inv, 0.0), 1)
         # To nearest even as the sum's float rounds it (launched without FMA contraction, so v * inv rounds
         # first, as in torch); |v * inv| <= 127.
         codes = (chunks * inv + 12582912.0) - 12582912.0
-        scale = amax / 127.0
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
         sums = tl.sum(tl.reshape(tl.sum(codes, axis=1), (BLOCK_E // 64, 4, 2)), axis=1) * scale
         # lane t's 16 codes in k order but the middle two of each 4 swapped (bits 0 and 1 of k)
         to = (re & ~3) | ((re & 1) << 1) | ((re >> 1) & 1)
