@@ -26,7 +26,7 @@ from torch import nn
 from torch.compiler import is_compiling
 
 from ember.ops import cpu_ext, cuda_rtc
-from ember.quant import kernels
+from ember.quant import cuda_int4, kernels
 
 
 def _cpu_has_bf16() -> bool:
@@ -407,7 +407,7 @@ class Int4WeightOnlyLinear(QuantLinear):
             self.register_buffer("_words", kernels.int4_mma_tile(self.qweight), persistent=False)
             self.register_buffer("_msz", kernels.int4_mma_scales(self.scales, self.mins), persistent=False)
             if kernels.HAS_TRITON:
-                from ember.quant import cuda_int4, triton_mma
+                from ember.quant import triton_mma
 
                 N, K, g = self.out_features, self.in_features, self.group_size
                 self._splits = triton_mma.row_splits(N, K, g, dev)
@@ -480,11 +480,14 @@ class Int4WeightOnlyLinear(QuantLinear):
         """Whether a decode row like x (one bf16 row on CUDA) runs this projection from the row rounded to int8
         by the norm before it (`rounded_forward`; `ember.quant.cuda_int4.ROUNDED_ROWS`): the CUDA C++ int4 GEMV
         over whole rows, no bias."""
-        if not self._whole_rows or self.bias is not None:
-            return False
-        from ember.quant import cuda_int4
-
-        return cuda_int4.ROUNDED_ROWS and x.is_cuda and x.numel() == x.shape[-1] and x.dtype == torch.bfloat16
+        return (
+            cuda_int4.ROUNDED_ROWS
+            and self._whole_rows
+            and self.bias is None
+            and x.is_cuda
+            and x.numel() == x.shape[-1]
+            and x.dtype == torch.bfloat16
+        )
 
     def rounded_forward(self, r: torch.Tensor, shape: torch.Size, glu: bool = False) -> torch.Tensor:
         """self(x) for the row x of `shape` given as r, the row rounded to int8 (`cuda_int4.round_row`'s buffer),
