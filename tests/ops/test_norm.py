@@ -108,3 +108,17 @@ def test_triton_add_rms_norm_rounds_its_row_as_the_int4_gemvs_read_it_in_interpr
     plain_h, plain_out = triton_norm.add_rms_norm(x, d, w, 1e-6, 0.0)
     assert torch.equal(h, plain_h) and torch.equal(out, plain_out)
     assert torch.equal(rounded, round_row(out)), (rounded[:E] != round_row(out)[:E]).nonzero()
+
+
+def test_the_rounded_norm_op_is_the_norm_and_its_row_rounded():
+    from ember.ops.norm import add_rms_norm_rounded
+    from ember.quant.cuda_int4 import round_row
+
+    g = torch.Generator().manual_seed(5)
+    x, d = torch.randn(1, 1, 128, generator=g).bfloat16(), torch.randn(1, 1, 128, generator=g).bfloat16()
+    w = torch.rand(128, generator=g).bfloat16() + 0.5
+    h, out, r = add_rms_norm_rounded(x, d, w, 1e-6, 0.0)
+    want_h, want = add_rms_norm_reference(x, d, w, 1e-6, 0.0)
+    assert torch.equal(h, want_h) and torch.equal(out, want) and torch.equal(r, round_row(want))
+    checks = torch.library.opcheck(add_rms_norm_rounded, (x, d, w, 1e-6, 0.0))
+    assert all(v == "SUCCESS" for v in checks.values())

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ember.quant import cuda_int4
 from ember.quant.kernels import int4_mma_scales, int4_mma_tile, split_k_partials
@@ -60,6 +61,25 @@ def test_the_a8_reference_rounds_each_block_of_32_on_its_own_scale():
     x = torch.randn(3, K, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     err = rel_err(cuda_int4.a8_reference(x, words, sz, group), x.float() @ w.T)
     assert 1e-4 < err < 1e-2
+
+
+def test_the_rounded_row_op_off_cuda_is_the_float_math_of_the_rounded_row():
+    from ember.quant import kernels
+
+    N, K, group = 32, 256, 64
+    words, sz, w = quantized(2 * N, K, group, torch.device("cpu"))
+    x = torch.randn(1, K, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    r = cuda_int4.round_row(x)
+    xr = cuda_int4.unround_row(r, K)
+    assert 0 < rel_err(xr, x) < 1e-2
+    y = kernels.int4_mma_rounded_linear(r, words, sz, group, False)
+    assert y.shape == (1, 2 * N) and y.dtype == torch.bfloat16
+    assert rel_err(y, xr @ w.T) < 5e-3
+    gate, up = (xr @ w.T).chunk(2, dim=-1)
+    assert rel_err(kernels.int4_mma_rounded_linear(r, words, sz, group, True), F.silu(gate) * up) < 2e-2
+    for glu in (False, True):
+        checks = torch.library.opcheck(kernels.int4_mma_rounded_linear, (r, words, sz, group, glu))
+        assert all(v == "SUCCESS" for v in checks.values())
 
 
 def test_the_gate_up_op_off_cuda_is_swiglu_of_the_dequantized_weights():
