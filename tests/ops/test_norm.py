@@ -95,7 +95,7 @@ def test_triton_add_rms_norm_adds_split_partial_sums_in_interpreter():
 @pytest.mark.parametrize("E", [128, 192])  # 192: padded to 256 lanes, whose blocks round to nothing
 def test_triton_add_rms_norm_rounds_its_row_as_the_int4_gemvs_read_it_in_interpreter(E):
     from ember.ops import triton_norm
-    from ember.quant.cuda_int4 import round_row
+    from ember.quant.cuda_int4 import round_row, rounded_bytes
 
     g = torch.Generator().manual_seed(4)
     x = torch.randn(1, E, generator=g).bfloat16()
@@ -103,7 +103,7 @@ def test_triton_add_rms_norm_rounds_its_row_as_the_int4_gemvs_read_it_in_interpr
     w = (torch.randn(E, generator=g) * 0.5 + 1).bfloat16()
     x[0, 64:128] = d[0, 64:128] = 0.0  # a step of zeros: its blocks' scales 0, codes 0
     x[0, 40] = 50.0  # an outlier in its block (k 8..15, 24..31, 40..47, 56..63)
-    rounded = torch.full((E + 8 * (E // 32),), 255, dtype=torch.uint8)
+    rounded = torch.full((rounded_bytes(E),), 255, dtype=torch.uint8)
     h, out = triton_norm.add_rms_norm(x, d, w, 1e-6, 0.0, rounded=rounded)
     plain_h, plain_out = triton_norm.add_rms_norm(x, d, w, 1e-6, 0.0)
     assert torch.equal(h, plain_h) and torch.equal(out, plain_out)

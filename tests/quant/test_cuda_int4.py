@@ -33,7 +33,7 @@ def test_no_block_shape_gives_a_tiles_warp_no_group_and_lean_ones_stop_where_the
                     assert cuda_int4._shared_bytes(group // 64, c, glu) <= cuda_int4.ASYNC_SHARED
                 if cuda_int4.rounds(1, split, groups * group):  # room for the rounded row as well
                     a8 = cuda_int4.configs(group, groups, split, glu, lean=True, asynchronous=True, a8=True)
-                    room = cuda_int4.ASYNC_SHARED - cuda_int4._rounded_bytes(groups * group)
+                    room = cuda_int4.ASYNC_SHARED - cuda_int4.rounded_bytes(groups * group)
                     assert a8 and all(cuda_int4._shared_bytes(group // 64, c, glu) <= room for c in a8)
                 offered = cuda_int4.configs(group, groups, split, glu)
                 built = group // 64 <= cuda_int4.LEAN_MAX_STEPS

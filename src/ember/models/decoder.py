@@ -337,10 +337,10 @@ class DecoderLayer(nn.Module):
         multiple of 64, the norms' weights in the activations' dtype."""
         if type(self.mlp) is not MLP or self.mlp.act is not F.silu or x.shape[-1] % 64:
             return False
+        projections = (self.self_attn.qkv_proj, self.mlp.gate_up_proj)  # first: off, the flag answers
         norms = (self.input_layernorm, self.post_attention_layernorm)
-        projections = (self.self_attn.qkv_proj, self.mlp.gate_up_proj)
-        return all(n.weight.dtype == x.dtype for n in norms) and all(
-            hasattr(p, "takes_rounded") and p.takes_rounded(x) for p in projections
+        return all(hasattr(p, "takes_rounded") and p.takes_rounded(x) for p in projections) and all(
+            n.weight.dtype == x.dtype for n in norms
         )
 
     def folds(self, x: torch.Tensor) -> bool:

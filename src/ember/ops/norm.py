@@ -87,17 +87,22 @@ def add_rms_norm_rounded(
 
 @add_rms_norm_rounded.register_fake
 def _(x, delta, weight, eps, offset):
-    E = x.shape[-1]
-    return torch.empty_like(x), torch.empty_like(x), x.new_empty(E + 8 * (E // 32), dtype=torch.uint8)
+    from ember.quant.cuda_int4 import rounded_bytes
+
+    return (
+        torch.empty_like(x),
+        torch.empty_like(x),
+        x.new_empty(rounded_bytes(x.shape[-1]), dtype=torch.uint8),
+    )
 
 
 @add_rms_norm_rounded.register_kernel("cuda")
 def _(x, delta, weight, eps, offset):
     if HAS_TRITON and x.is_contiguous() and delta.is_contiguous() and weight.is_contiguous():
         from ember.ops import triton_norm
+        from ember.quant.cuda_int4 import rounded_bytes
 
-        E = x.shape[-1]
-        rounded = x.new_empty(E + 8 * (E // 32), dtype=torch.uint8)
+        rounded = x.new_empty(rounded_bytes(x.shape[-1]), dtype=torch.uint8)
         return *triton_norm.add_rms_norm(x, delta, weight, eps, offset, rounded), rounded
     return add_rms_norm_rounded_reference(x, delta, weight, eps, offset)
 

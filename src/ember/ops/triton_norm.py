@@ -103,7 +103,9 @@ def add_rms_norm(
     # One program reads a row's S partials: with more warps, more of those loads are in flight at once.
     warps = min(32, max(1, BLOCK_E // 128)) if splits > 4 else min(16, max(1, BLOCK_E // 512))
     if rounded is not None:
-        if x.numel() != E or E % 64 or rounded.numel() != E + 8 * (E // 32):
+        from ember.quant.cuda_int4 import rounded_bytes
+
+        if x.numel() != E or E % 64 or rounded.numel() != rounded_bytes(E):
             raise ValueError(f"a rounded norm takes one row of a multiple of 64, not {tuple(x.shape)}")
         codes, scales, sums = rounded[:E].view(torch.int8), *rounded[E:].view(torch.float32).chunk(2)
     else:

@@ -98,7 +98,7 @@ def _shared_bytes(group_steps: int, config: Config, glu: bool) -> int:
     return ring + 4 * (kw - 1) * slots * 128 + (4 * tw * 128 if glu else 0)
 
 
-def _rounded_bytes(K: int) -> int:
+def rounded_bytes(K: int) -> int:
     """A rounded row's bytes (`round_row`; A8's dynamic shared memory): K int8 codes, and a float scale and sum
     a block of 32."""
     return K + 8 * (K // A8_BLOCK)
@@ -107,7 +107,7 @@ def _rounded_bytes(K: int) -> int:
 def rounds(rows: int, split: int, K: int) -> bool:
     """Whether a GEMV of `rows` activation rows of K over `split` runs of K runs the A8 kernels (`A8`): one
     row, whole, whose rounding fits in 32 KB of shared memory (K up to 26214)."""
-    return A8 and rows == 1 and split == 1 and _rounded_bytes(K) <= 32 * 1024
+    return A8 and rows == 1 and split == 1 and rounded_bytes(K) <= 32 * 1024
 
 
 def round_row(x: torch.Tensor) -> torch.Tensor:
@@ -203,7 +203,7 @@ def configs(
     lean = LEAN_OFFERED if lean is None else lean
     asynchronous = ASYNC_OFFERED if asynchronous is None else asynchronous
     steps = group_size // 64
-    room = ASYNC_SHARED - (_rounded_bytes(groups * group_size) if a8 else 0)
+    room = ASYNC_SHARED - (rounded_bytes(groups * group_size) if a8 else 0)
     return [
         c
         for c in _built(steps, glu)
@@ -273,12 +273,12 @@ def gemv(
     args = (x, words, sz, y, N, K, M)
     threads = tw * (2 if glu else 1) * kw * 32
     a8 = 2 if rounded else int(rounds(M, split, K))
-    if a8 == 1 and _shared_bytes(steps, config, glu) + _rounded_bytes(K) > ASYNC_SHARED:
+    if a8 == 1 and _shared_bytes(steps, config, glu) + rounded_bytes(K) > ASYNC_SHARED:
         raise ValueError(
             f"block shape {config} leaves no room for a rounded row of {K}: see configs(a8=True)"
         )
     fn = fns[_name(steps, config, split > 1, glu, a8)]
-    cuda_rtc.launch(fn, grid, threads, args, x.device, pdl, shared=_rounded_bytes(K) if a8 == 1 else 0)
+    cuda_rtc.launch(fn, grid, threads, args, x.device, pdl, shared=rounded_bytes(K) if a8 == 1 else 0)
 
 
 def silu_gate_up(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -307,7 +307,7 @@ def rounded_fits(r: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_s
         ROUNDED_ROWS
         and r.is_cuda
         and r.dtype == torch.uint8
-        and r.numel() == _rounded_bytes(words.shape[1] * 8)
+        and r.numel() == rounded_bytes(words.shape[1] * 8)
         and r.data_ptr() % 16 == 0
         and words.dtype == torch.int32
         and sz.dtype == torch.int32
