@@ -4,11 +4,19 @@ pre-norm decoder's fused residual adds against the layer-by-layer form."""
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
 
 from ember.ops.norm import RMSNorm, add_rms_norm_reference, rms_norm_reference
+
+# The Triton kernel on CPU tensors in Triton's interpreter (a GPU run of the suite sets TRITON_INTERPRET=0; the
+# compiled kernel's tests are the CUDA ones of tests/quant/test_cuda_int4.py).
+in_interpreter = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="runs in Triton's interpreter (TRITON_INTERPRET=1)",
+)
 
 
 def test_rms_norm_reference_is_hugging_faces_formula():
@@ -32,9 +40,7 @@ def test_add_forward_returns_the_sum_and_its_norm():
     torch.testing.assert_close(out, norm(x + d), atol=0, rtol=0)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="needs triton (runs in its interpreter)"
-)
+@in_interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("E,offset", [(96, 0.0), (128, 1.0)])  # 96: the row is padded to 128 lanes
 def test_triton_add_rms_norm_matches_the_plain_ops_in_interpreter(dtype, E, offset):
@@ -72,9 +78,7 @@ def test_add_forward_adds_split_partial_sums_as_the_sum_pass_would():
     torch.testing.assert_close(out, want, atol=0, rtol=0)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="needs triton (runs in its interpreter)"
-)
+@in_interpreter
 def test_triton_add_rms_norm_adds_split_partial_sums_in_interpreter():
     from ember.ops import triton_norm
 
@@ -89,9 +93,7 @@ def test_triton_add_rms_norm_adds_split_partial_sums_in_interpreter():
     torch.testing.assert_close(out.float(), rms_norm_reference(h, w, 1e-6, 0.0).float(), atol=0, rtol=2**-9)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None, reason="needs triton (runs in its interpreter)"
-)
+@in_interpreter
 @pytest.mark.parametrize("E", [128, 192])  # 192: padded to 256 lanes, whose blocks round to nothing
 def test_triton_add_rms_norm_rounds_its_row_as_the_int4_gemvs_read_it_in_interpreter(E):
     from ember.ops import triton_norm

@@ -41,7 +41,15 @@ def _add_rms_norm_kernel(
     if PDL:  # `ember.ops.launch`: the weight needs nothing from the kernel before, the rows do
         tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64) * E
-    re = tl.arange(0, BLOCK_E)
+    # ROUND: the row as (lane t, block, 8), block 2 s + i holding k 64 s + 16 t + 8 i + 0..7 (step s). Laid out
+    # so, a block's reductions stay in a warp and a thread divides for 4 blocks at 8 warps and E 4096 (a 1-D row
+    # reshaped into blocks compiled to 13 barriers and 32 divisions a thread for sm_90; this, 5 and 8).
+    if ROUND:
+        t3, j3 = tl.arange(0, 4)[:, None, None], tl.arange(0, 8)[None, None, :]
+        b3 = tl.arange(0, BLOCK_E // 32)[None, :, None]
+        re = 16 * t3 + 64 * (b3 // 2) + 8 * (b3 % 2) + j3
+    else:
+        re = tl.arange(0, BLOCK_E)
     ok = re < E
     w = tl.load(w_ptr + re, mask=ok, other=0.0)
     if PDL:
@@ -58,31 +66,34 @@ def _add_rms_norm_kernel(
     h = (x.to(tl.float32) + d).to(dt)
     tl.store(h_ptr + row + re, h, mask=ok)
     hf = h.to(tl.float32)
-    r = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / E + eps)
+    squares = hf * hf
+    if ROUND:
+        squares = tl.sum(tl.sum(squares, axis=2), axis=0)
+    r = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / E + eps)
     if OFFSET:
         out = hf * r * (offset + w.to(tl.float32))
     else:
         out = w.to(tl.float32) * (hf * r).to(dt).to(tl.float32)
     tl.store(o_ptr + row + re, out.to(dt), mask=ok)
-    if ROUND:  # chunks of 8 (step s, lane t, block i), k 64 s + 16 t + 8 i; a block: 4 chunks; padding: 0s
-        chunks = tl.reshape(out.to(dt).to(tl.float32), (BLOCK_E // 8, 8))
-        cmax = tl.reshape(tl.max(tl.abs(chunks), axis=1), (BLOCK_E // 64, 4, 2))
-        amax = tl.max(cmax, axis=1)  # (step, block i)
-        at = tl.reshape(tl.broadcast_to(tl.expand_dims(amax, 1), (BLOCK_E // 64, 4, 2)), (BLOCK_E // 8,))
-        # Divisions rounded to nearest (IEEE), as torch's: a GPU's `/` may be an ulp off.
-        inv = tl.math.div_rn(tl.full(at.shape, 127.0, tl.float32), tl.where(at > 0.0, at, 1.0))
-        inv = tl.expand_dims(tl.where(at > 0.0, inv, 0.0), 1)
+    if ROUND:  # each block's scale amax / 127 and codes round(v * 127 / amax); padding: blocks of 0s
+        v = out.to(dt).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(v), axis=2), axis=0)
+        # Divisions rounded to nearest (IEEE), as torch's of two tensors: a GPU's `/` may be an ulp off.
+        inv = tl.math.div_rn(tl.full(amax.shape, 127.0, tl.float32), tl.where(amax > 0.0, amax, 1.0))
+        inv = tl.where(amax > 0.0, inv, 0.0)[None, :, None]
         # To nearest even as the sum's float rounds it (launched without FMA contraction, so v * inv rounds
         # first, as in torch); |v * inv| <= 127.
-        codes = (chunks * inv + 12582912.0) - 12582912.0
+        codes = (v * inv + 12582912.0) - 12582912.0
         scale = tl.math.div_rn(amax, tl.full(amax.shape, 127.0, tl.float32))
-        sums = tl.sum(tl.reshape(tl.sum(codes, axis=1), (BLOCK_E // 64, 4, 2)), axis=1) * scale
+        sums = tl.sum(tl.sum(codes, axis=2), axis=0) * scale
         # lane t's 16 codes in k order but the middle two of each 4 swapped (bits 0 and 1 of k)
         to = (re & ~3) | ((re & 1) << 1) | ((re >> 1) & 1)
-        tl.store(q_ptr + to, tl.reshape(codes, (BLOCK_E,)).to(tl.int8), mask=ok)
-        rb = tl.arange(0, BLOCK_E // 32)
-        tl.store(s_ptr + rb, tl.reshape(scale, (BLOCK_E // 32,)), mask=rb < E // 32)
-        tl.store(u_ptr + rb, tl.reshape(sums, (BLOCK_E // 32,)), mask=rb < E // 32)
+        tl.store(q_ptr + to, codes.to(tl.int8), mask=ok)
+        # a block's scale and sum stored by its first element (in the reductions' layout: no exchange)
+        first = (t3 == 0) & (j3 == 0) & (b3 < E // 32)
+        blocks = tl.broadcast_to(b3, re.shape)
+        tl.store(s_ptr + blocks, tl.broadcast_to(scale[None, :, None], re.shape), mask=first)
+        tl.store(u_ptr + blocks, tl.broadcast_to(sums[None, :, None], re.shape), mask=first)
 
 
 def add_rms_norm(

@@ -119,9 +119,12 @@ def round_row(x: torch.Tensor) -> torch.Tensor:
     K = x.shape[-1]
     blocks = x.float().reshape(K // 64, 4, 2, 8)  # (step, lane t, block i, 8)
     amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # Divisions of two tensors, rounded once (IEEE) on every device: torch computes `127.0 / t` as
+    # reciprocal(t) * 127, and on CUDA `t / 127.0` as t * (1 / 127), each rounded twice.
+    full = torch.full_like(amax, 127.0)
+    inv = torch.where(amax > 0, full / amax, torch.zeros_like(amax))
     codes = torch.round(blocks * inv).clamp(-127, 127)
-    scale = amax / 127.0
+    scale = amax / full
     sums = codes.sum(dim=(1, 3), keepdim=True) * scale
     ordered = codes.reshape(K // 64, 4, 4, 2, 2).transpose(-1, -2).reshape(K)
     parts = (ordered.to(torch.int8).view(torch.uint8), scale.reshape(-1), sums.reshape(-1))
