@@ -113,6 +113,17 @@ __device__ __forceinline__ void step8(uint4 w, uint4 xq, float2 sc, float (&C)[4
   }
 }
 
+// A8: one step's rounded activations, the lane's 16 codes and the step's two blocks' scales and sums.
+struct Step8 {
+  uint4 codes;
+  float2 scale, sum;
+};
+
+template <bool GLOBAL>
+__device__ __forceinline__ Step8 load8(const uint4* xr, const float2* xscale, const float2* xsum, int st) {
+  return {read<GLOBAL>(xr + 4 * st), read<GLOBAL>(xscale + st), read<GLOBAL>(xsum + st)};
+}
+
 // A8's prologue: the activation row x (K) rounded to int8 into shared memory, xq[64 s + 16 q + p] = the
 // rounding of x[64 s + 16 q + A8_ORDER(p)] (A8_ORDER swaps the middle two of each 4), with each block of 32's
 // scale amax / 127 and the sum of its rounded activations (block 2 s + i: k 64 s + 16 q + 8 i + 0..7 for q <
@@ -253,11 +264,16 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
     __syncthreads();
   }
   const uint4* const xr = reinterpret_cast<const uint4*>(rounded) + q;  // A8: step s's at xr[4 s]
-  uint4 xc[GS][2];  // LEAN, A8: unused (the compiler drops them)
+  uint4 xc[GS][2];  // LEAN: unused (the compiler drops them); A8: xc8
+  Step8 xc8[GS];
 #pragma unroll
-  for (int s = 0; s < GS && !A8; ++s) {
-    xc[s][0] = __ldg(xp + (min(first, top) * GS + s) * 8);
-    xc[s][1] = __ldg(xp + (min(first, top) * GS + s) * 8 + 1);
+  for (int s = 0; s < GS; ++s) {
+    if (A8) {
+      xc8[s] = load8<A8 == 2>(xr, xscale, xsum, min(first, top) * GS + s);
+    } else {
+      xc[s][0] = __ldg(xp + (min(first, top) * GS + s) * 8);
+      xc[s][1] = __ldg(xp + (min(first, top) * GS + s) * 8 + 1);
+    }
   }
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int j0 = 0; j0 < n; j0 += DEPTH) {
@@ -268,10 +284,15 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
         // LEAN: this group's activations; else the next group's, in flight while this one is multiplied.
         const int at = LEAN ? first + j * KW : first + min(j + 1, n - 1) * KW;
         uint4 xn[GS][2];
+        Step8 xn8[GS];
 #pragma unroll
-        for (int s = 0; s < GS && !A8; ++s) {
-          xn[s][0] = __ldg(xp + (at * GS + s) * 8);
-          xn[s][1] = __ldg(xp + (at * GS + s) * 8 + 1);
+        for (int s = 0; s < GS; ++s) {
+          if (A8) {
+            xn8[s] = load8<A8 == 2>(xr, xscale, xsum, at * GS + s);
+          } else {
+            xn[s][0] = __ldg(xp + (at * GS + s) * 8);
+            xn[s][1] = __ldg(xp + (at * GS + s) * 8 + 1);
+          }
         }
         if (ASYNC) {  // group j from its slot (read before the slot is refilled below)
           wait_async<DEPTH - 1>();
@@ -282,13 +303,11 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
         }
         float C[4] = {0.0f, 0.0f, 0.0f, 0.0f}, X[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         if (A8) {  // X: the sum of the group's rounded activations
-          const int grp = first + j * KW;
 #pragma unroll
           for (int s = 0; s < GS; ++s) {
-            const int st = grp * GS + s;
-            step8(wb[d][s], read<A8 == 2>(xr + 4 * st), read<A8 == 2>(xscale + st), C);
-            const float2 sums = read<A8 == 2>(xsum + st);
-            X[0] += sums.x + sums.y;
+            const Step8& a = LEAN ? xn8[s] : xc8[s];
+            step8(wb[d][s], a.codes, a.scale, C);
+            X[0] += a.sum.x + a.sum.y;
           }
           X[2] = X[0];
         } else {
@@ -321,6 +340,7 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
         for (int s = 0; s < GS; ++s) {
           xc[s][0] = xn[s][0];
           xc[s][1] = xn[s][1];
+          xc8[s] = xn8[s];
         }
       }
     }
