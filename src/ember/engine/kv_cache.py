@@ -91,7 +91,10 @@ class StaticKVCache:
         window: int | None,
         scale: float,
         softcap: float | None,
+        ahead: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Attention of q over this layer's cache after storing k, v at the positions given to `begin`. ahead:
+        weights read after attention (a hint for the one-row CUDA kernel: `cuda_attention.AHEAD_BYTES`)."""
         pos = self._positions
         assert pos is not None, "StaticKVCache.begin(positions) must run before the forward"
         B, T, H, D = q.shape
@@ -113,6 +116,7 @@ class StaticKVCache:
                 window or 0,
                 None if nxt is None else self.k[nxt][:B],
                 None if nxt is None else self.v[nxt][:B],
+                ahead,
             )  # (B, H, D)
             return out.unsqueeze(1)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)

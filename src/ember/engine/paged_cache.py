@@ -112,8 +112,10 @@ class PagedKVCache:
         window: int | None,
         scale: float,
         softcap: float | None,
+        ahead: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q (1, N, H, D), k and v (1, N, K, D) packed, q and k before rope (cos, sin) -> (1, N, H, D)."""
+        """q (1, N, H, D), k and v (1, N, K, D) packed, q and k before rope (cos, sin) -> (1, N, H, D). ahead:
+        `StaticKVCache.attend`'s L2 hint, which these kernels do not take."""
         b = self.batch
         assert b is not None
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)

@@ -49,11 +49,13 @@ class KVCache(Protocol):
         window: int | None,
         scale: float,
         softcap: float | None,
+        ahead: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q (B, T, H, D), k and v (B, T, K, D) -> (B, T, H, D).
 
         q and k arrive before rope; `rope` is (cos, sin) (B, T, R) for their positions, applied by the cache
-        so that a backend can fuse it with the cache write and attention.
+        so that a backend can fuse it with the cache write and attention. ahead: the weights the output
+        projection reads next, which a backend may ask the GPU's L2 cache for while attention runs.
         """
         ...
 
@@ -71,6 +73,13 @@ ACTIVATIONS = {
 # with the rope tables op, an int8 Llama-3-8B step took 2.08% less on an H100 (GPU tests of both variants
 # passed there; BENCHMARKS.md, thirty-first session). False for A/B runs.
 FOLD_NORMS = True
+
+
+def streamed_weight(linear: nn.Module) -> torch.Tensor | None:
+    """The largest tensor a projection reads for one row: a quantized one's codes, else its weight."""
+    if hasattr(linear, "streamed_weight"):
+        return linear.streamed_weight()
+    return linear.weight if isinstance(linear, nn.Linear) else None
 
 
 def activation(name: str):
@@ -249,8 +258,9 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         out = cache.attend(
-            self.layer, q, k, v, rope=(cos, sin), window=self.window, scale=self.scale, softcap=self.softcap
-        )
+            self.layer, q, k, v, rope=(cos, sin), window=self.window, scale=self.scale, softcap=self.softcap,
+            ahead=streamed_weight(self.o_proj) if T == 1 and x.is_cuda else None,
+        )  # fmt: skip
         if norm is not None:
             return self.o_proj.linear_add(out.reshape(B, T, H * D), x)
         return project(self.o_proj, out.reshape(B, T, H * D), split)

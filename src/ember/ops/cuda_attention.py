@@ -25,6 +25,9 @@ MAX_GROUP = 8  # query heads a kv head (registers: 8 floats of each head's query
 # Caches up to this many slots run this kernel in `ember::decode_attention`: the range timed against the Triton
 # kernel (H100, Llama-3-8B layers, S = 384-1024: 7.1-9.1 us a layer against 11.3-13.7; BENCHMARKS.md).
 MAX_SLOTS = 1024
+# Bytes of a later kernel's operand (`ahead`: the output projection's weights) that the kernel asks L2 for while
+# it runs (its memory traffic is small: the weights' stream would otherwise pause for it).
+AHEAD_BYTES = 0
 SHARED_BYTES = 48 * 1024  # static shared memory a block may take
 _DTYPES = {torch.bfloat16: "true", torch.float16: "false"}
 
@@ -111,6 +114,7 @@ def decode_attention(
     window: int,
     k_next: torch.Tensor | None = None,
     v_next: torch.Tensor | None = None,
+    ahead: torch.Tensor | None = None,
     *,
     config: tuple[int, int, int] | None = None,
     prefetch: bool | None = None,
@@ -120,7 +124,8 @@ def decode_attention(
     stored at `positions` (B,, int64) in the caches (B, K, S, D), attention -> (B, H, D); None where the
     kernel cannot be built (the caller runs the Triton kernel). Operands as `fits` requires. k_next, v_next:
     the next layer's caches, pulled into L2 when `prefetch` (default: 256 < S <= 512, as measured for the
-    Triton kernel); the kernel reads nothing else of them."""
+    Triton kernel); the kernel reads nothing else of them. ahead: what a later kernel reads, of which the first
+    `AHEAD_BYTES` are pulled into L2 (a hint, not read here)."""
     B, H, D = q.shape
     KV, S = k_cache.shape[1], k_cache.shape[2]
     G = H // KV
@@ -136,6 +141,9 @@ def decode_attention(
             t.shape == k_cache.shape and t.dtype == k_cache.dtype and t.is_contiguous()
             for t in (k_next, v_next)
         )
+    ahead_bytes = 0
+    if ahead is not None and ahead.is_cuda and ahead.is_contiguous() and ahead.data_ptr() % 16 == 0:
+        ahead_bytes = min(AHEAD_BYTES, ahead.numel() * ahead.element_size(), 2**30) // 16 * 16  # a C int
     out = q.new_empty(B, H, D)
     warps, _, cluster = config
     chunk = chunk_of(S, D, config)
@@ -143,7 +151,7 @@ def decode_attention(
         q, k, v, cos, sin, k_cache, v_cache, positions, out,
         k_cache if k_next is None else k_next, v_cache if v_next is None else v_next,
         q.stride(0), k.stride(0), v.stride(0), cos.stride(0), S, KV, window, cos.shape[-1], chunk,
-        int(prefetch), float(scale * math.log2(math.e)),
+        int(prefetch), float(scale * math.log2(math.e)), q if ahead is None else ahead, ahead_bytes,
     )  # fmt: skip
     pdl = launch.pdl(q.device) if pdl is None else pdl
     cuda_rtc.launch(fn, B * KV * cluster, warps * 32, args, q.device, pdl=pdl, cluster=cluster)

@@ -74,19 +74,22 @@ def decode_attention(
     window: int,
     k_next: torch.Tensor | None = None,
     v_next: torch.Tensor | None = None,
+    ahead: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`decode_attention_reference`; the Triton kernel on CUDA. k_next, v_next (optional): the next layer's
-    caches, which the kernel may pull into L2 for that layer (a hint; nothing reads or writes them here)."""
+    caches, which the kernel may pull into L2 for that layer; ahead (optional): weights a later kernel reads
+    (the output projection's), which the CUDA kernel may pull into L2 (hints: nothing reads or writes them
+    here)."""
     return decode_attention_reference(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window)
 
 
 @decode_attention.register_fake
-def _(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window, k_next=None, v_next=None):
+def _(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window, k_next=None, v_next=None, ahead=None):
     return torch.empty_like(q)
 
 
 @decode_attention.register_kernel("cuda")
-def _(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window, k_next=None, v_next=None):
+def _(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window, k_next=None, v_next=None, ahead=None):
     # The kernel takes one row stride per tensor (cos and sin share one) and unit strides within a row.
     rows_ok = (
         all(t.stride(-1) == 1 for t in (q, k, v, cos, sin))
@@ -99,7 +102,7 @@ def _(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window, k_next=None
         q, k, v, cos, sin, k_cache, v_cache, positions
     ):
         out = cuda_attention.decode_attention(
-            q, k, v, cos, sin, k_cache, v_cache, positions, scale, window, k_next, v_next
+            q, k, v, cos, sin, k_cache, v_cache, positions, scale, window, k_next, v_next, ahead
         )
         if out is not None:
             return out

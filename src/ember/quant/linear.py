@@ -119,6 +119,11 @@ class QuantLinear(nn.Module):
         tensors = [getattr(self, n) for n in names] + ([self.bias] if self.bias is not None else [])
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def streamed_weight(self) -> torch.Tensor:
+        """The largest tensor one forward reads (the codes, in the layout of the kernel `prepare()` chose)."""
+        tensors = [getattr(self, n) for n in self._runtime_buffers()]
+        return max(tensors, key=lambda t: t.numel() * t.element_size())
+
     def _runtime_buffers(self) -> tuple[str, ...]:
         return ("qweight", "scales")
 

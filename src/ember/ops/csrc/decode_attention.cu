@@ -54,6 +54,16 @@ __device__ __forceinline__ void prefetch_l2(const void* p, u32 bytes) {
 #endif
 }
 
+// This block's share of [p, p + bytes) (p 16-byte aligned, bytes a multiple of 16) asked of L2, in chunks of 16
+// KiB, one a thread: weights a later kernel reads, fetched while attention leaves the memory idle.
+__device__ __forceinline__ void prefetch_share(const unsigned char* p, u32 bytes) {
+  constexpr u32 CHUNK = 16384;
+  const u32 share = ((bytes + gridDim.x - 1) / gridDim.x + 255u) & ~255u;
+  const u32 lo = blockIdx.x * share, hi = min(bytes, lo + share);
+  for (u32 off = lo + threadIdx.x * CHUNK; off < hi; off += blockDim.x * CHUNK)
+    prefetch_l2(p + off, min(CHUNK, hi - off));
+}
+
 // Every thread of the cluster arrives; shared-memory writes before it are seen by reads after it.
 __device__ __forceinline__ void cluster_sync() {
 #if __CUDA_ARCH__ >= 900
@@ -164,14 +174,16 @@ __device__ __forceinline__ void merge_state(float* m, float* l, float (*acc)[8],
 // Block (row b, kv head h, split) of a cluster of CL: slots [split * chunk, (split + 1) * chunk) of its kv head.
 // q, kn, vn: this step's rows (strides given, unit within a row); cos, sin (B, rot) float32; caches (B, KV, S, D);
 // positions (B,) int64; out (B, KV * G, D). k_next, v_next: the next layer's caches, prefetched into L2 when
-// `prefetch` (read by nothing here).
+// `prefetch` (read by nothing here). ahead: `ahead_bytes` of what a later kernel reads (the output projection's
+// weights), prefetched into L2 by the grid's blocks in shares, after their first cache loads.
 template <bool BF16, int D, int G, int WARPS, int P, int CL>
 __global__ void __launch_bounds__(WARPS * 32)
     decode_attention(const u16* __restrict__ q, const u16* __restrict__ kn, const u16* __restrict__ vn,
                      const float* __restrict__ cos, const float* __restrict__ sin, u16* k_cache, u16* v_cache,
                      const long long* __restrict__ positions, u16* __restrict__ out, const u16* k_next,
                      const u16* v_next, int stride_q, int stride_kn, int stride_vn, int stride_cos, int S, int KV,
-                     int window, int rot, int chunk, int prefetch, float scale_log2) {
+                     int window, int rot, int chunk, int prefetch, float scale_log2,
+                     const unsigned char* ahead, u32 ahead_bytes) {
   pdl_launch_dependents();
   STAMP(0);
   constexpr int TPS = D / 8;  // threads a slot
@@ -208,6 +220,7 @@ __global__ void __launch_bounds__(WARPS * 32)
 
   uint4 kb[P], vb[P];
   load_batch<TPS, P, SPB>(kb, vb, kc, vc, step0, steps, first, lo, hi);
+  if (ahead_bytes) prefetch_share(ahead, ahead_bytes);
   const int pd = !rotates ? d0 : first_half ? d0 + rot / 2 : d0 - rot / 2;
   // With a cluster, each block merges and stores a share of the outputs, PER of them, from the partials the
   // cluster's blocks push into its shared memory (their arrival counted in bytes by `bar`).
