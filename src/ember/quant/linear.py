@@ -121,8 +121,12 @@ class QuantLinear(nn.Module):
 
     def streamed_weight(self) -> torch.Tensor:
         """The largest tensor one forward reads (the codes, in the layout of the kernel `prepare()` chose)."""
-        tensors = [getattr(self, n) for n in self._runtime_buffers()]
-        return max(tensors, key=lambda t: t.numel() * t.element_size())
+        largest = None  # a loop, not max(key=): torch.compile traces this
+        for name in self._runtime_buffers():
+            t = getattr(self, name)
+            if largest is None or t.numel() * t.element_size() > largest.numel() * largest.element_size():
+                largest = t
+        return largest
 
     def _runtime_buffers(self) -> tuple[str, ...]:
         return ("qweight", "scales")
