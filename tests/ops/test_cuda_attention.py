@@ -77,7 +77,7 @@ def operands(B, H, K, D, rotary, S, pos, dtype, seed=0):
     return q, k, v, cos, sin, k_cache, v_cache, pos
 
 
-def check(q, k, v, cos, sin, k_cache, v_cache, pos, window, config=None, prefetch=None):
+def check(q, k, v, cos, sin, k_cache, v_cache, pos, window, config=None, prefetch=None, ahead=None):
     D = q.shape[-1]
     want_k, want_v = k_cache.clone(), v_cache.clone()
     want = decode_attention_reference(q, k, v, cos, sin, want_k, want_v, pos, D**-0.5, window)
@@ -88,7 +88,21 @@ def check(q, k, v, cos, sin, k_cache, v_cache, pos, window, config=None, prefetc
     assert cuda_attention.fits(q, k, v, cos, sin, got_k, got_v, pos, config)
     nxt = torch.zeros_like(k_cache)
     got = cuda_attention.decode_attention(
-        q, k, v, cos, sin, got_k, got_v, pos, D**-0.5, window, nxt, nxt, config=config, prefetch=prefetch
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        got_k,
+        got_v,
+        pos,
+        D**-0.5,
+        window,
+        nxt,
+        nxt,
+        ahead,
+        config=config,
+        prefetch=prefetch,
     )
     torch.cuda.synchronize()
     assert got is not None
@@ -125,11 +139,18 @@ def test_against_the_reference(dtype, H, K, D, rotary):
 @needs_sm90
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("S", [64, 384, 1024])
-def test_block_shapes_and_lengths(config, S):
+def test_block_shapes_and_lengths(config, S, monkeypatch):
     chunk = cuda_attention.chunk_of(S, 128, config)
     pos = sorted({0, min(chunk, S - 1), S // 2, S - 1})
+    # With prefetching on, also the L2 hint for weights read after attention: more bytes than asked for, and
+    # not a multiple of the grid's shares; nothing reads or writes them.
+    monkeypatch.setattr(cuda_attention, "AHEAD_BYTES", 3 << 20)
+    ahead = torch.randint(0, 256, ((3 << 20) + 4096 + 48,), dtype=torch.uint8, device="cuda")
+    before = ahead.clone()
     for prefetch in (False, True):
-        check(*operands(len(pos), 32, 8, 128, 128, S, pos, torch.bfloat16, seed=S), 0, config, prefetch)
+        operand = operands(len(pos), 32, 8, 128, 128, S, pos, torch.bfloat16, seed=S)
+        check(*operand, 0, config, prefetch, ahead if prefetch else None)
+    assert torch.equal(ahead, before)
 
 
 @needs_sm90

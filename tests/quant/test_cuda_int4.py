@@ -63,6 +63,20 @@ def test_the_a8_reference_rounds_each_block_of_32_on_its_own_scale():
     assert 1e-4 < err < 1e-2
 
 
+def test_round_row_divides_once_as_the_norm_kernel_does():
+    # 127 / amax and amax / 127 each rounded once (IEEE division: the float64 quotient rounded to float32 is
+    # the same), on every device. Here 127 * (1 / amax), torch's `127.0 / t`, rounds v * inv up to 1.5 -> 2.
+    a, v = 0.8078194856643677, 0.00954117439687252
+    x = torch.zeros(1, 64)
+    x[0, 0], x[0, 1] = a, v
+    r = cuda_int4.round_row(x)
+    scale = r[64:68].view(torch.float32)
+    assert scale.item() == torch.tensor(a, dtype=torch.float64).div(127).float().item()
+    inv = torch.tensor(127, dtype=torch.float64).div(torch.tensor(a).double()).float()
+    assert torch.round(x[0, 1] * inv).item() == 1 != torch.round(x[0, 1] * (127.0 / x[0, :1])).item()
+    assert cuda_int4.unround_row(r, 64)[0, 1] == scale
+
+
 def test_the_rounded_row_op_off_cuda_is_the_float_math_of_the_rounded_row():
     from ember.quant import kernels
 

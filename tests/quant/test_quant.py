@@ -374,3 +374,18 @@ def test_a_decode_step_with_int4_rows_rounded_by_the_norms_is_the_same_step(monk
         outs[rounds] = model(tokens[:, 5:], torch.tensor([[5]]), cache)
     assert sorted(calls) == sorted(takers)  # qkv and gate/up of every layer, once each
     torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-g64", "int8-dyn"])
+def test_the_streamed_weight_is_the_largest_tensor_a_row_reads_and_compiles(scheme):
+    # What decode attention hints into a GPU's L2 for the output projection (`KVCache.attend(ahead=)`).
+    from ember.models.decoder import streamed_weight
+
+    linear = nn.Linear(256, 96, bias=False)
+    q = QuantSpec.parse(scheme).make(linear)
+    q.prepare()
+    read = [getattr(q, n) for n in q._runtime_buffers()]
+    assert len(read) > 1 and streamed_weight(q) is max(read, key=lambda t: t.numel() * t.element_size())
+    assert streamed_weight(linear) is linear.weight
+    compiled = torch.compile(lambda: streamed_weight(q) + 0, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(), streamed_weight(q))

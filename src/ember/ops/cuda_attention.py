@@ -26,7 +26,9 @@ MAX_GROUP = 8  # query heads a kv head (registers: 8 floats of each head's query
 # kernel (H100, Llama-3-8B layers, S = 384-1024: 7.1-9.1 us a layer against 11.3-13.7; BENCHMARKS.md).
 MAX_SLOTS = 1024
 # Bytes of a later kernel's operand (`ahead`: the output projection's weights) that the kernel asks L2 for while
-# it runs (its memory traffic is small: the weights' stream would otherwise pause for it).
+# it runs, its own traffic being small. On an H100 the whole Llama-3-8B step lost with all of the output
+# projection's codes asked for (int4 +0.6%, int8 +1.3%, the same tokens; BENCHMARKS.md, thirty-third session):
+# off, to be measured on an H200, whose attention is a larger share of the step.
 AHEAD_BYTES = 0
 SHARED_BYTES = 48 * 1024  # static shared memory a block may take
 _DTYPES = {torch.bfloat16: "true", torch.float16: "false"}
