@@ -1,6 +1,7 @@
 """ember.quant.tuning off CUDA: the first candidate, without timing anything (its timing needs a GPU; the
-H200 runs are in BENCHMARKS.md)."""
+H200 runs are in BENCHMARKS.md), and on a GPU the kernel the tuner may time candidates behind."""
 
+import pytest
 import torch
 
 from ember.quant import tuning
@@ -13,3 +14,20 @@ def test_off_cuda_the_first_candidate_is_taken_untimed_and_not_remembered():
     assert got == {"BLOCK_N": 2}
     assert calls == []
     assert not any(k[0] == "test" for k in tuning._picked)
+
+
+def _cuda_kernels() -> bool:
+    from ember.ops import cuda_rtc
+
+    return torch.cuda.is_available() and cuda_rtc.available()
+
+
+@pytest.mark.skipif(not _cuda_kernels(), reason="needs a CUDA GPU and NVRTC")
+def test_the_hold_kernel_holds_the_gpu_before_each_timed_call():
+    # `PRECEDED_NS`: each timed launch behind a kernel of that many nanoseconds (none for 0).
+    dev = torch.device("cuda")
+    assert tuning._hold(dev, 0) is None
+    x = torch.zeros(1024, device=dev)
+    plain = tuning.graph_seconds(lambda i: x.add_(1), 8)
+    held = tuning.graph_seconds(lambda i: x.add_(1), 8, before=tuning._hold(dev, 20_000))
+    assert 15e-6 < held - plain < 60e-6, (plain, held)

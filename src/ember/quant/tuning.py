@@ -6,7 +6,10 @@ launch at a time with the same weights every time (clearing L2 with a memset in 
 microseconds an attention projection takes, its timings are noisy and its pick moved between processes
 (H200, Llama-3-8B int8, the same code: 348 and 380 tok/s, BENCHMARKS.md). `pick` times each candidate inside
 a CUDA graph of back-to-back launches over enough copies of the weights to spill L2, median of a few
-replays, once per key and process, and remembers the winner.
+replays, once per key and process, and remembers the winner. With `PRECEDED_NS`, each timed launch follows
+a kernel that holds the GPU that long without memory traffic (`ember/ops/csrc/hold.cu`), as attention and the
+norms precede the step's GEMVs: there a block shape that loads more weights before its wait (programmatic
+dependent launch) hides them under the kernel before, which back-to-back launches of one GEMV never show.
 
     config = pick(key, candidates, run, weights)   # run(config, weights) launches one call
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -24,6 +28,10 @@ log = logging.getLogger(__name__)
 L2_SPILL = 4  # copies of the weights add up to this many times the L2 (or the weights alone already do)
 MIN_LAUNCHES = 16  # per graph: amortizes the graph launch and the first kernel's ramp
 REPLAYS = 5
+# Nanoseconds of the kernel before each timed launch (0: none, the GEMV's launches back to back). Not yet run
+# on a GPU; to be set by whole-step A/B (`benchmarks/gpu_step_ab.py --set ember.quant.tuning.PRECEDED_NS=...`).
+PRECEDED_NS = 0
+HOLD_SOURCE = Path(__file__).resolve().parents[1] / "ops" / "csrc" / "hold.cu"
 
 _picked: dict[tuple, object] = {}
 
@@ -43,11 +51,14 @@ def pick(key: tuple, candidates: Sequence, run: Callable, weights: tuple[torch.T
     if len(candidates) == 1 or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return candidates[0]
     copies = _weight_copies(weights)
+    before = _hold(device, PRECEDED_NS)
     best, best_s, error = None, math.inf, None
     for candidate in candidates:
         try:
             s = graph_seconds(
-                lambda i, c=candidate: run(c, copies[i % len(copies)]), max(len(copies), MIN_LAUNCHES)
+                lambda i, c=candidate: run(c, copies[i % len(copies)]),
+                max(len(copies), MIN_LAUNCHES),
+                before=before,
             )
         except Exception as e:  # e.g. a tile that needs more shared memory than this GPU has
             log.debug("GEMV candidate %s for %s failed: %s", candidate, key, e)
@@ -73,17 +84,39 @@ def _weight_copies(weights: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor
     return [weights] + [tuple(t.clone() for t in weights) for _ in range(extra)]
 
 
-def graph_seconds(call: Callable[[int], None], launches: int, replays: int = REPLAYS) -> float:
+def _hold(device: torch.device, ns: int) -> Callable[[], None] | None:
+    """A launch of the `hold` kernel for ns nanoseconds on `device` (None for 0, or where it cannot be built)."""
+    if ns <= 0:
+        return None
+    from ember.ops import cuda_rtc, launch
+
+    fns = cuda_rtc.load_or_none(HOLD_SOURCE, ["hold"], device, "the tuner's hold kernel")
+    if fns is None:
+        return None
+    return lambda: cuda_rtc.launch(fns["hold"], 1, 32, (int(ns),), device, pdl=launch.pdl(device))
+
+
+def graph_seconds(
+    call: Callable[[int], None],
+    launches: int,
+    replays: int = REPLAYS,
+    before: Callable[[], None] | None = None,
+) -> float:
     """Seconds per call of call(i), i < launches, captured in one CUDA graph; median of `replays` replays.
+    before: launched ahead of each call (its time is counted: the same for every candidate).
     (`benchmarks/gpu_gemv.py` times its sweeps with it too.)"""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
+        if before is not None:
+            before()  # builds
         call(0)  # compiles
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(launches):
+            if before is not None:
+                before()
             call(i)
     graph.replay()
     times = []
