@@ -31,3 +31,15 @@ def test_the_hold_kernel_holds_the_gpu_before_each_timed_call():
     plain = tuning.graph_seconds(lambda i: x.add_(1), 8)
     held = tuning.graph_seconds(lambda i: x.add_(1), 8, before=tuning._hold(dev, 20_000))
     assert 15e-6 < held - plain < 60e-6, (plain, held)
+
+
+def test_a_pinned_candidate_is_taken_untimed(monkeypatch):
+    calls = []
+    w = torch.zeros(4, 8)
+    candidates = [{"CUDA": (1, 8, 2, False, False)}, {"CUDA": (1, 8, 4, False, False)}]
+    key = ("int4_mma", 1, 4, 8, 128, None, False)
+    monkeypatch.setattr(tuning, "PINNED", {key: {"CUDA": (1, 8, 4, False, False)}})
+    assert tuning.pick(key, candidates, lambda c, ws: calls.append(c), (w,)) == candidates[1]
+    monkeypatch.setattr(tuning, "PINNED", {key: {"CUDA": (9, 9, 9, False, False)}})  # not a candidate
+    assert tuning.pick(key, candidates, lambda c, ws: calls.append(c), (w,)) == candidates[0]
+    assert calls == []

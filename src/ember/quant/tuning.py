@@ -32,6 +32,10 @@ REPLAYS = 5
 # on a GPU; to be set by whole-step A/B (`benchmarks/gpu_step_ab.py --set ember.quant.tuning.PRECEDED_NS=...`).
 PRECEDED_NS = 0
 HOLD_SOURCE = Path(__file__).resolve().parents[1] / "ops" / "csrc" / "hold.cu"
+# Picks fixed by hand, key (as `pick` is given it) -> candidate, for timing block shapes in whole steps
+# (`benchmarks/gpu_step_ab.py --set "ember.quant.tuning.PINNED={...}"`; the keys are in the debug log). A pin
+# that is not among the candidates is ignored.
+PINNED: dict[tuple, object] = {}
 
 _picked: dict[tuple, object] = {}
 
@@ -42,8 +46,12 @@ def pick(key: tuple, candidates: Sequence, run: Callable, weights: tuple[torch.T
     run(candidate, weights) launches one call with a tuple like `weights` (the caller owns the output
     buffers). Outside CUDA, with one candidate, or while a CUDA graph is being captured (no timing possible;
     nothing is remembered) it returns the first candidate. A candidate that fails to compile or launch is
-    skipped (and logged); if all fail, the last error is raised.
+    skipped (and logged); if all fail, the last error is raised. A candidate pinned for the key (`PINNED`)
+    is returned untimed, anywhere.
     """
+    pinned = PINNED.get(key)
+    if pinned is not None and pinned in candidates:
+        return pinned
     device = weights[0].device
     key = (*key, device)
     if key in _picked:
