@@ -6,8 +6,9 @@ whole rows and split into runs of K (float32 partials), 1 to 8 activation rows, 
 that leave tiles over by every block; gate/up with SwiGLU against the unfused ops; in a CUDA graph with
 programmatic dependent launch; through the tensor-core ops with the kernel offered to their tuner, and
 through an int4 module's fused gate/up. One row runs the A8 kernels (activations rounded to int8 in blocks of
-32), checked against `cuda_int4.a8_reference` as well. On CPU: the shapes offered, the gate/up op's plain-torch
-path, and the A8 reference's blocks.
+32), checked against `cuda_int4.a8_reference` as well; the FOLD kernels that carry a norm across two GEMVs
+against their ops' twins, and in a decode step. On CPU: the shapes offered, the gate/up op's plain-torch path,
+and the A8 reference's blocks.
 """
 
 from __future__ import annotations
@@ -318,4 +319,72 @@ def test_an_int4_decode_step_with_rows_rounded_by_the_norms(monkeypatch):
         model(tokens[:, :5], torch.arange(5, device=dev)[None], cache)
         outs[on] = model(tokens[:, 5:], torch.tensor([[5]], device=dev), cache).float()
     assert len(calls) == 2 * cfg.num_layers
+    assert 0 < rel_err(outs[True], outs[False]) < 3e-2
+
+
+@needs_cuda
+@pytest.mark.parametrize("group", [64, 128, 256])
+def test_the_carried_norm_kernels_against_their_twins(group, monkeypatch):
+    # FOLD 1 (a projection into the residual stream handing on the next norm's row) and FOLD 2 (the projection
+    # after that norm, plain and gate/up + SwiGLU), every block shape, against the ops' twins.
+    from ember.quant import kernels, tuning
+
+    monkeypatch.setattr(cuda_int4, "FOLD_NORMS", True)
+    dev = torch.device("cuda")
+    torch.manual_seed(group)
+    E, inner = 1024, 1536
+    o_words, o_sz, _ = quantized(E, E, group, dev)
+    gu_words, gu_sz, _ = quantized(2 * inner, E, group, dev)
+    x = torch.randn(1, E, device=dev).bfloat16()
+    resid = (torch.randn(1, E, device=dev) * 4).bfloat16()
+    weight = (torch.rand(E, device=dev) + 0.5).bfloat16()
+    for offset in (0.0, 1.0):
+        want_h, want_hw, want_sq = kernels.int4_mma_linear_add_norm_reference(
+            x, o_words, o_sz, group, resid, weight, offset
+        )
+        for config in cuda_int4.configs(group, E // group, 1):
+            monkeypatch.setattr(tuning, "PINNED", {("int4_fold_before", E, E, group): config})
+            h, hw, sq = cuda_int4.linear_add_norm(x, o_words, o_sz, group, resid, weight, offset)
+            assert rel_err(h, want_h) < 4e-3 and rel_err(hw, want_hw) < 8e-3, config  # a bf16 step at most
+            assert sq.shape == want_sq.shape and rel_err(sq, want_sq) < 1e-2, config
+        for glu in (False, True):
+            want = kernels.int4_mma_normed_linear_reference(
+                want_hw, want_sq, 1e-5, gu_words, gu_sz, group, glu
+            )
+            key = ("int4_fold_after", 2 * inner, E, group, glu)
+            for config in cuda_int4.configs(group, E // group, 1, glu=glu):
+                monkeypatch.setattr(tuning, "PINNED", {key: config})
+                y = cuda_int4.normed_linear(want_hw, want_sq, 1e-5, gu_words, gu_sz, group, glu)
+                assert y.shape == want.shape and rel_err(y, want) < 1e-2, (glu, config)
+
+
+@needs_cuda
+def test_an_int4_decode_step_with_the_mlp_norm_carried_across_the_gemvs(monkeypatch):
+    # FOLD_NORMS on a CUDA decode step: no norm kernel between attention and the MLP, and the step's logits
+    # within the activations' rounding of the step without it.
+    from ember.bench import random_model
+    from ember.engine.kv_cache import StaticKVCache
+    from ember.quant.linear import Int4WeightOnlyLinear
+
+    monkeypatch.setattr(cuda_int4, "OFFERED", True)
+    monkeypatch.setattr(cuda_int4, "WHOLE_ROWS", True)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = random_model("tiny", device=dev, dtype=torch.bfloat16, quantize="int4-g64")
+    cfg = model.config
+    tokens = torch.randint(0, cfg.vocab_size, (1, 6), device=dev)
+    calls = []
+    linear_add_norm = Int4WeightOnlyLinear.linear_add_norm
+    monkeypatch.setattr(
+        Int4WeightOnlyLinear,
+        "linear_add_norm",
+        lambda self, *a, **k: calls.append(1) or linear_add_norm(self, *a, **k),
+    )
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(cuda_int4, "FOLD_NORMS", on)
+        cache = StaticKVCache(cfg, batch_size=1, max_seq_len=16, device=dev, dtype=torch.bfloat16)
+        model(tokens[:, :5], torch.arange(5, device=dev)[None], cache)
+        outs[on] = model(tokens[:, 5:], torch.tensor([[5]], device=dev), cache).float()
+    assert len(calls) == cfg.num_layers
     assert 0 < rel_err(outs[True], outs[False]) < 3e-2

@@ -389,3 +389,88 @@ def test_the_streamed_weight_is_the_largest_tensor_a_row_reads_and_compiles(sche
     assert streamed_weight(linear) is linear.weight
     compiled = torch.compile(lambda: streamed_weight(q) + 0, backend="eager", fullgraph=True)
     assert torch.equal(compiled(), streamed_weight(q))
+
+
+def test_a_decode_step_with_the_mlp_norm_carried_across_int4_projections_is_the_same_step(monkeypatch):
+    # `DecoderLayer.carries_norm`: on a CUDA decode row the output projection's GEMV adds the residual and hands
+    # on the row times the MLP norm's weight with its sums of squares; gate/up's applies the norm's factor. Here
+    # the ops' twins stand in (CPU, float32: no rounding between the two forms), so what is checked is the
+    # plumbing: which residual, which norm, SwiGLU, and that a prompt's rows are never carried.
+    from ember.engine.kv_cache import StaticKVCache
+    from ember.quant import kernels
+    from ember.quant.linear import Int4WeightOnlyLinear
+
+    torch.manual_seed(0)
+    model = random_model("tiny", device="cpu", dtype=torch.float32, quantize="int4-g64")
+    for layer in model.model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.data = torch.rand_like(norm.weight) + 0.5
+        for module in layer.modules():
+            if isinstance(module, Int4WeightOnlyLinear):  # the CUDA layout's buffers, built on CPU
+                module._words = kernels.int4_mma_tile(module.qweight)
+                module._msz = kernels.int4_mma_scales(module.scales, module.mins)
+    cfg = model.config
+    tokens = torch.randint(0, cfg.vocab_size, (1, 6))
+    calls = []
+
+    def forward(self, x):  # the float product of the weights, as the twins compute it
+        return (x.float() @ kernels.int4_mma_dequantize(self._words, self._msz, self.group_size).T).to(
+            x.dtype
+        )
+
+    for name in ("linear_add_norm", "normed_forward"):
+        method = getattr(Int4WeightOnlyLinear, name)
+        monkeypatch.setattr(
+            Int4WeightOnlyLinear,
+            name,
+            lambda self, *a, m=method, n=name, **k: calls.append(n) or m(self, *a, **k),
+        )
+    monkeypatch.setattr(Int4WeightOnlyLinear, "forward", forward)
+    monkeypatch.setattr(Int4WeightOnlyLinear, "split_forward", forward)
+    outs = {}
+    for carries in (False, True):
+        monkeypatch.setattr(
+            Int4WeightOnlyLinear, "carries_norm", lambda self, x, on=carries: on and x.numel() == x.shape[-1]
+        )
+        cache = StaticKVCache(cfg, batch_size=1, max_seq_len=16, device="cpu", dtype=torch.float32)
+        model(tokens[:, :5], torch.arange(5)[None], cache)  # the prompt: several rows, never carried
+        assert not calls
+        outs[carries] = model(tokens[:, 5:], torch.tensor([[5]]), cache)
+    assert sorted(calls) == sorted(["linear_add_norm", "normed_forward"] * cfg.num_layers)
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
+
+
+def test_the_carried_norm_ops_are_rmsnorm_between_two_projections():
+    # `ember::int4_mma_linear_add_norm` then `ember::int4_mma_normed_linear` (their twins, off CUDA): the MLP's
+    # input RMSNorm(resid + o(x)) times gate/up, with Gemma's weight offset too; fake kernels by opcheck.
+    from ember.ops.norm import rms_norm_reference
+    from ember.quant import kernels
+
+    g = torch.Generator().manual_seed(0)
+    E, inner, group = 128, 96, 64
+    o = torch.randn(E, E, generator=g) / 8
+    gate_up = torch.randn(2 * inner, E, generator=g) / 8
+    (o_words, o_sz), (gu_words, gu_sz) = (
+        (kernels.int4_mma_tile(pack_nibbles(q)), kernels.int4_mma_scales(s, m))
+        for q, s, m in (quantize_int4_grouped(w, group) for w in (o, gate_up))
+    )
+    x, resid = torch.randn(1, E, generator=g), torch.randn(1, E, generator=g) * 4
+    weight = torch.rand(E, generator=g) + 0.5
+    for offset in (0.0, 1.0):
+        h, hw, sq = kernels.int4_mma_linear_add_norm(x, o_words, o_sz, group, resid, weight, offset)
+        assert torch.equal(h, resid + x @ kernels.int4_mma_dequantize(o_words, o_sz, group).T)
+        assert sq.shape == (E // 16,) and torch.allclose(sq.sum(), h.square().sum())
+        y = kernels.int4_mma_normed_linear(hw, sq, 1e-6, gu_words, gu_sz, group, True)
+        gate, up = (
+            rms_norm_reference(h, weight, 1e-6, offset)
+            @ kernels.int4_mma_dequantize(gu_words, gu_sz, group).T
+        ).chunk(2, -1)
+        torch.testing.assert_close(y, torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    checks = torch.library.opcheck(
+        kernels.int4_mma_linear_add_norm, (x, o_words, o_sz, group, resid, weight, 0.0)
+    )
+    assert all(v == "SUCCESS" for v in checks.values())
+    checks = torch.library.opcheck(
+        kernels.int4_mma_normed_linear, (hw, sq, 1e-6, gu_words, gu_sz, group, False)
+    )
+    assert all(v == "SUCCESS" for v in checks.values())

@@ -23,7 +23,7 @@ from ember.errors import UnsupportedArchitectureError
 from ember.ops.linear import Linear, project, silu_gate_up
 from ember.ops.norm import RMSNorm
 from ember.ops.rope import Rope
-from ember.quant.kernels import SplitSum
+from ember.quant.kernels import NormedRow, SplitSum
 
 
 class KVCache(Protocol):
@@ -105,11 +105,15 @@ class MLP(nn.Module):
         split: bool = False,
         norm: RMSNorm | None = None,
         rounded: torch.Tensor | None = None,
+        normed: NormedRow | None = None,
     ) -> torch.Tensor | SplitSum:
         """split: the down projection may return its partial sums (`project`) for the next norm to add. norm: x
         is the residual stream, and the result is x + MLP(norm(x)), the norm and the add folded into the GEMVs
         (SwiGLU, projections that `fold`: `DecoderLayer.folds`). rounded: x rounded to int8 by the norm before,
-        for a gate/up projection that reads it so (SwiGLU: `DecoderLayer.rounds`)."""
+        for a gate/up projection that reads it so (SwiGLU: `DecoderLayer.rounds`). normed: the row x normed as
+        the projection before carried it (`NormedRow`; SwiGLU: `DecoderLayer.carries_norm`)."""
+        if normed is not None:
+            return project(self.down_proj, self.gate_up_proj.normed_forward(normed, x.shape, glu=True), split)
         if rounded is not None:
             return project(
                 self.down_proj, self.gate_up_proj.rounded_forward(rounded, x.shape, glu=True), split
@@ -238,11 +242,15 @@ class Attention(nn.Module):
         split: bool = False,
         norm: RMSNorm | None = None,
         rounded: torch.Tensor | None = None,
-    ) -> torch.Tensor | SplitSum:
+        resid: torch.Tensor | None = None,
+        next_norm: RMSNorm | None = None,
+    ) -> torch.Tensor | SplitSum | tuple[torch.Tensor, NormedRow]:
         """split: the output projection may return its partial sums (`project`) for the next norm to add. norm:
         x is the residual stream, and the result is x + attention(norm(x)), the norm and the add folded into
         the qkv and output GEMVs (projections that `fold`: `DecoderLayer.folds`). rounded: x rounded to int8 by
-        the norm before, for a qkv projection that reads it so (`DecoderLayer.rounds`)."""
+        the norm before, for a qkv projection that reads it so (`DecoderLayer.rounds`). resid, next_norm: the
+        result is (h, next_norm(h) as a `NormedRow`), h = resid + attention(x), from the output projection's
+        GEMV (`DecoderLayer.carries_norm`)."""
         B, T, _ = x.shape
         H, K, D = self.H, self.K, self.D
         if rounded is not None:
@@ -263,6 +271,8 @@ class Attention(nn.Module):
         )  # fmt: skip
         if norm is not None:
             return self.o_proj.linear_add(out.reshape(B, T, H * D), x)
+        if resid is not None:
+            return self.o_proj.linear_add_norm(out.reshape(B, T, H * D), resid, next_norm)
         return project(self.o_proj, out.reshape(B, T, H * D), split)
 
 
@@ -323,6 +333,12 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(x, cos, sin, cache, norm=self.input_layernorm)
             return self.mlp(h, norm=self.post_attention_layernorm), None
         split = split and m == 1.0  # a scaled branch is summed first
+        if self.carries_norm(x):  # the norm before the MLP carried across the output projection's GEMV
+            h, n = (
+                (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add_forward(x, delta)
+            )
+            h, normed = self.self_attn(n, cos, sin, cache, resid=h, next_norm=self.post_attention_layernorm)
+            return h, self.mlp(h, split, normed=normed)
         if self.rounds(x):  # the norms hand qkv and gate/up their rows rounded to int8 as well
             h, n, r = self.input_layernorm.add_forward(
                 x, torch.zeros_like(x) if delta is None else delta, True
@@ -351,6 +367,19 @@ class DecoderLayer(nn.Module):
         norms = (self.input_layernorm, self.post_attention_layernorm)
         return all(hasattr(p, "takes_rounded") and p.takes_rounded(x) for p in projections) and all(
             n.weight.dtype == x.dtype for n in norms
+        )
+
+    def carries_norm(self, x: torch.Tensor) -> bool:
+        """Whether this pre-norm layer runs its decode row x with no norm kernel between attention and the MLP:
+        the output projection's GEMV adds the residual and hands on the row with the MLP norm's weight applied
+        and its sums of squares, and gate/up's GEMV applies the norm's factor to its sums
+        (`Int4WeightOnlyLinear.carries_norm`; `ember.quant.cuda_int4.FOLD_NORMS`). The MLP SwiGLU, the
+        branches unscaled, the norm's weight in the activations' dtype."""
+        if self.residual_multiplier != 1.0 or type(self.mlp) is not MLP or self.mlp.act is not F.silu:
+            return False
+        projections = (self.self_attn.o_proj, self.mlp.gate_up_proj)
+        return self.post_attention_layernorm.weight.dtype == x.dtype and all(
+            hasattr(p, "carries_norm") and p.carries_norm(x) for p in projections
         )
 
     def folds(self, x: torch.Tensor) -> bool:

@@ -10,6 +10,10 @@ With `A8` (off: it lost, see below), one activation row (a decode step) is round
 each block of the kernel and multiplied on the integer tensor cores (`rounds`; `a8_reference` is that arithmetic
 in torch). With `ROUNDED_ROWS` the row comes rounded by the norm kernel before the GEMV (`round_row`'s layout;
 `linear_rounded`), for a pre-norm int4 layer's qkv and gate/up (`ember.models.decoder.DecoderLayer.rounds`).
+With `FOLD_NORMS` the RMSNorm before an int4 MLP is carried across the GEMVs either side of it, with no norm
+kernel: the output projection adds the residual and hands on the row times the norm's weight and its sums of
+squares (`linear_add_norm`), gate/up applies the norm's factor to its sums (`normed_linear`;
+`ember.models.decoder.DecoderLayer.carries_norm`).
 
 Shape legend: M rows of activations, K input features, N output features, g group size, S runs of K.
 """
@@ -81,16 +85,25 @@ A8_BLOCK = 32  # activations an int8 scale
 # the norms' rounding adds (64 norms 81 -> 122-132 us a step; BENCHMARKS.md, thirty-third session). Off; an
 # H200's faster memory leaves the bf16 mma more exposed, so it is to be measured there.
 ROUNDED_ROWS = False
+# Whether pre-norm int4 layers carry the RMSNorm before gate/up across the o projection's GEMV (`FOLD` in
+# `int4_gemv.cu`: o stores h, h times the norm's weight and its tiles' sums of h^2; gate/up scales its sums by
+# the norm's factor), with no norm kernel between them (`linear_add_norm`, `normed_linear`). Not yet run on a
+# GPU: off until its GPU tests have passed and a whole step gains.
+FOLD_NORMS = False
+FOLD_MAX_K = 8192  # the row a FOLD 2 GEMV reads: its tiles' sums, 16 a lane of a warp
 
 
 Config = tuple[int, int, int, bool, bool]  # (TW, KW, DEPTH, LEAN, ASYNC)
 
 
-def _name(group_steps: int, config: Config, split: bool, glu: bool = False, a8: int = 0) -> str:
-    """a8: 0 bf16 activations, 1 a row rounded by each block (`A8`), 2 a row rounded before (`round_row`)."""
+def _name(
+    group_steps: int, config: Config, split: bool, glu: bool = False, a8: int = 0, fold: int = 0
+) -> str:
+    """a8: 0 bf16 activations, 1 a row rounded by each block (`A8`), 2 a row rounded before (`round_row`).
+    fold: 0 none, 1 the GEMV before a norm, 2 the one after it (`FOLD_NORMS`)."""
     tw, kw, depth, lean, asynchronous = config
     flags = ", ".join("true" if f else "false" for f in (lean, split, glu, asynchronous))
-    return f"int4_mma_gemv<{group_steps}, {tw}, {kw}, {depth}, {flags}, {a8}>"
+    return f"int4_mma_gemv<{group_steps}, {tw}, {kw}, {depth}, {flags}, {a8}, {fold}>"
 
 
 def _shared_bytes(group_steps: int, config: Config, glu: bool) -> int:
@@ -232,14 +245,14 @@ def kernels(device: torch.device, group_steps: int, asynchronous: bool = False) 
     where they cannot be built (logged once). ASYNC ones are built apart, on first use: nothing pays for their
     build while they are not offered."""
     what = "CUDA int4 GEMV" + (" (ASYNC)" if asynchronous else "")
-    names = _names(group_steps, asynchronous, (1,) * A8 + (2,) * ROUNDED_ROWS)
+    names = _names(group_steps, asynchronous, (1,) * A8 + (2,) * ROUNDED_ROWS, FOLD_NORMS)
     return cuda_rtc.load_or_none(SOURCE, list(names), device, what)
 
 
 @functools.cache
-def _names(group_steps: int, asynchronous: bool, a8: tuple[int, ...]) -> tuple[str, ...]:
+def _names(group_steps: int, asynchronous: bool, a8: tuple[int, ...], fold: bool = False) -> tuple[str, ...]:
     """Every instance built for groups of `group_steps` steps, ASYNC or not, with the A8 ones of the modes `a8`
-    (named once: `kernels` runs on every launch)."""
+    and with fold the FOLD ones (named once: `kernels` runs on every launch)."""
     plain = [c for c in _built(group_steps, False) if c[4] == asynchronous]
     glu = [c for c in _built(group_steps, True) if c[4] == asynchronous]
     names = [_name(group_steps, c, split) for c in plain for split in (False, True)]
@@ -247,6 +260,11 @@ def _names(group_steps: int, asynchronous: bool, a8: tuple[int, ...]) -> tuple[s
     for mode in a8:
         names += [
             _name(group_steps, c, False, g, mode) for g, cs in ((False, plain), (True, glu)) for c in cs
+        ]
+    if fold:
+        names += [_name(group_steps, c, False, fold=1) for c in plain]
+        names += [
+            _name(group_steps, c, False, g, fold=2) for g, cs in ((False, plain), (True, glu)) for c in cs
         ]
     return tuple(names)
 
@@ -262,12 +280,15 @@ def gemv(
     pdl: bool,
     glu: bool = False,
     rounded: bool = False,
+    fold: tuple | None = None,
 ) -> None:
     """y (M, N) bf16 = x (M, K) @ w.T; with split > 1, y (split, M, N) float32 partial sums over equal runs
     of K's groups; with glu (w is gate rows over up rows, 2N of them), y (M, N) = silu(gate) * up. words, sz:
     `kernels.int4_mma_tile` and `kernels.int4_mma_scales` of w. Where `rounds`, the A8 kernels that round the
     row (the config from `configs(..., a8=True)`); with `rounded`, x is a row as `round_row` leaves it (M = 1)
-    and the A8 kernels read it as it is."""
+    and the A8 kernels read it as it is. fold (one row): (1, resid, hw, sq, weight, offset), y taking h =
+    resid + the product and hw, sq the rest of `linear_add_norm`; or (2, sq, eps), x being hw and y scaled as
+    `normed_linear` scales it."""
     steps = group_size // 64
     fns = kernels(x.device, steps, config[4])
     if fns is None:
@@ -276,14 +297,22 @@ def gemv(
     N = words.shape[0] // (2 if glu else 1)
     tw, kw = config[:2]
     grid = (-(-(N // 16) // tw), split)
-    args = (x, words, sz, y, N, K, M)
+    mode = 0 if fold is None else fold[0]
+    if mode == 1:
+        _, resid, hw, sq, weight, offset = fold
+        args = (x, words, sz, y, N, K, M, resid, hw, sq, weight, float(offset), 0.0)
+    elif mode == 2:
+        _, sq, eps = fold
+        args = (x, words, sz, y, N, K, M, x, y, sq, x, 0.0, float(eps))
+    else:
+        args = (x, words, sz, y, N, K, M, x, y, sz, x, 0.0, 0.0)  # the FOLD operands, unread
     threads = tw * (2 if glu else 1) * kw * 32
-    a8 = 2 if rounded else int(rounds(M, split, K))
+    a8 = 0 if mode else 2 if rounded else int(rounds(M, split, K))
     if a8 == 1 and _shared_bytes(steps, config, glu) + rounded_bytes(K) > ASYNC_SHARED:
         raise ValueError(
             f"block shape {config} leaves no room for a rounded row of {K}: see configs(a8=True)"
         )
-    fn = fns[_name(steps, config, split > 1, glu, a8)]
+    fn = fns[_name(steps, config, split > 1, glu, a8, mode)]
     cuda_rtc.launch(fn, grid, threads, args, x.device, pdl, shared=rounded_bytes(K) if a8 == 1 else 0)
 
 
@@ -341,5 +370,76 @@ def linear_rounded(
 
     shapes = configs(group_size, K // group_size, 1, glu=glu)
     key = ("int4_rounded", words.shape[0], K, group_size, glu)
+    run(tuning.pick(key, shapes, run, (words, sz)), (words, sz))
+    return y
+
+
+def fold_fits(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> bool:
+    """Whether the FOLD kernels (`linear_add_norm`, `normed_linear`) run with one row x and these weights."""
+    return (
+        FOLD_NORMS
+        and x.numel() == x.shape[-1]
+        and words.shape[1] * 8 <= FOLD_MAX_K
+        and fits(x.reshape(1, -1), words, sz, group_size)
+    )
+
+
+def linear_add_norm(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    sz: torch.Tensor,
+    group_size: int,
+    resid: torch.Tensor,
+    weight: torch.Tensor,
+    offset: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For one row x (1, K) and a weight in the tensor-core layout: (h, hw, sq) with h (1, N) = resid + x @ w.T
+    (the sum rounded to bf16, then the add, as torch rounds them), hw = h (offset + weight) rounded to bf16, and
+    sq (N / 16,) float32 the sums of h^2 of each 16 rows: what `normed_linear` takes for RMSNorm(h) with that
+    weight. One kernel; the block shape timed once per shape. Needs `fold_fits`."""
+    from ember.ops.launch import pdl
+    from ember.quant import tuning
+
+    N, K = words.shape[0], x.shape[-1]
+    h, hw = (
+        torch.empty(1, N, device=x.device, dtype=x.dtype),
+        torch.empty(1, N, device=x.device, dtype=x.dtype),
+    )
+    sq = torch.empty(N // 16, device=x.device, dtype=torch.float32)
+    on = pdl(x.device)
+
+    def run(config: Config, w: tuple[torch.Tensor, ...]) -> None:
+        gemv(x, w[0], w[1], h, group_size, config, 1, on, fold=(1, resid, hw, sq, weight, offset))
+
+    shapes = configs(group_size, K // group_size, 1)
+    key = ("int4_fold_before", N, K, group_size)
+    run(tuning.pick(key, shapes, run, (words, sz)), (words, sz))
+    return h, hw, sq
+
+
+def normed_linear(
+    hw: torch.Tensor,
+    sq: torch.Tensor,
+    eps: float,
+    words: torch.Tensor,
+    sz: torch.Tensor,
+    group_size: int,
+    glu: bool = False,
+) -> torch.Tensor:
+    """RMSNorm(h) @ w.T (1, N) for h carried as `linear_add_norm` leaves it (hw, sq): the sums of hw @ w.T
+    scaled by rsqrt(sum(sq) / K + eps), rounded to bf16; with glu (a gate/up weight of 2N rows), silu(gate) *
+    up of those. One kernel; the block shape timed once per shape. Needs `fold_fits`."""
+    from ember.ops.launch import pdl
+    from ember.quant import tuning
+
+    K = hw.shape[-1]
+    y = torch.empty(1, words.shape[0] // (2 if glu else 1), device=hw.device, dtype=hw.dtype)
+    on = pdl(hw.device)
+
+    def run(config: Config, w: tuple[torch.Tensor, ...]) -> None:
+        gemv(hw, w[0], w[1], y, group_size, config, 1, on, glu=glu, fold=(2, sq, eps))
+
+    shapes = configs(group_size, K // group_size, 1, glu=glu)
+    key = ("int4_fold_after", words.shape[0], K, group_size, glu)
     run(tuning.pick(key, shapes, run, (words, sz)), (words, sz))
     return y

@@ -417,6 +417,16 @@ class SplitSum(NamedTuple):
         return acc.to(dtype)
 
 
+class NormedRow(NamedTuple):
+    """One row's RMSNorm(h) as the projection before the norm hands it on (`int4_mma_linear_add_norm`): hw, h
+    times the norm's (offset + weight) in h's dtype, and sq, the sums of h^2 of each 16 of its values; the
+    norm's factor rsqrt(sum(sq) / E + eps) is applied by the projection after it (`int4_mma_normed_linear`)."""
+
+    hw: torch.Tensor
+    sq: torch.Tensor
+    eps: float
+
+
 def silu_mul_partials_reference(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """parts (S, M, 2I) float32 partial sums of a fused gate/up projection -> silu(gate) * up (M, I) in `dtype`:
     the sums added and rounded as `SplitSum.total` does, then the activation as `silu_gate_up_reference`."""
@@ -595,6 +605,111 @@ def _(x, words, sz, group_size):
     if cuda_int4.fits(x, words, sz, group_size) and (words.shape[0] // 2) % 16 == 0:
         return cuda_int4.silu_gate_up(x, words, sz, group_size)
     return int4_mma_silu_gate_up_reference(x, words, sz, group_size)
+
+
+def int4_mma_linear_add_norm_reference(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    sz: torch.Tensor,
+    group_size: int,
+    resid: torch.Tensor,
+    weight: torch.Tensor,
+    offset: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For one row x (1, K) and a weight (N rows) in the tensor-core layout, a projection into the residual
+    stream before a pre-norm layer's RMSNorm: h = resid + x @ w.T (the product rounded to x's dtype, then the
+    add, as torch rounds them), hw = h (offset + weight) in x's dtype (the norm's weight applied, its factor
+    not), and sq (N / 16,) float32, the sums of h^2 of each 16 rows. `int4_mma_normed_linear` takes hw and sq."""
+    y = (x.reshape(1, -1).float() @ int4_mma_dequantize(words, sz, group_size).T).to(x.dtype)
+    h = resid.reshape(y.shape) + y
+    hw = (h.float() * (offset + weight.float())).to(x.dtype)
+    return h, hw, h.float().square().reshape(-1, 16).sum(-1)
+
+
+@torch.library.custom_op("ember::int4_mma_linear_add_norm", mutates_args=())
+def int4_mma_linear_add_norm(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    sz: torch.Tensor,
+    group_size: int,
+    resid: torch.Tensor,
+    weight: torch.Tensor,
+    offset: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`int4_mma_linear_add_norm_reference`; on CUDA one kernel of the CUDA C++ int4 GEMV
+    (`ember.quant.cuda_int4.linear_add_norm`)."""
+    return int4_mma_linear_add_norm_reference(x, words, sz, group_size, resid, weight, offset)
+
+
+@int4_mma_linear_add_norm.register_fake
+def _(x, words, sz, group_size, resid, weight, offset):
+    N = words.shape[0]
+    return x.new_empty(1, N), x.new_empty(1, N), x.new_empty(N // 16, dtype=torch.float32)
+
+
+@int4_mma_linear_add_norm.register_kernel("cuda")
+def _(x, words, sz, group_size, resid, weight, offset):
+    from ember.quant import cuda_int4
+
+    ok = (
+        resid.is_contiguous()
+        and resid.dtype == x.dtype
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+    )
+    if ok and cuda_int4.fold_fits(x, words, sz, group_size):
+        return cuda_int4.linear_add_norm(x.reshape(1, -1), words, sz, group_size, resid, weight, offset)
+    return int4_mma_linear_add_norm_reference(x, words, sz, group_size, resid, weight, offset)
+
+
+def int4_mma_normed_linear_reference(
+    hw: torch.Tensor,
+    sq: torch.Tensor,
+    eps: float,
+    words: torch.Tensor,
+    sz: torch.Tensor,
+    group_size: int,
+    glu: bool,
+) -> torch.Tensor:
+    """RMSNorm(h) @ w.T (1, N) in hw's dtype for a row h carried as `int4_mma_linear_add_norm_reference` leaves
+    it: (hw @ w.T) * rsqrt(sum(sq) / K + eps) in float32, rounded once; with glu (a gate/up weight of 2N rows),
+    silu(gate) * up of those, as `int4_mma_silu_gate_up_reference` rounds."""
+    r = torch.rsqrt(sq.sum() / hw.shape[-1] + eps)
+    y = ((hw.reshape(1, -1).float() @ int4_mma_dequantize(words, sz, group_size).T) * r).to(hw.dtype)
+    if glu:
+        gate, up = y.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return y
+
+
+@torch.library.custom_op("ember::int4_mma_normed_linear", mutates_args=())
+def int4_mma_normed_linear(
+    hw: torch.Tensor,
+    sq: torch.Tensor,
+    eps: float,
+    words: torch.Tensor,
+    sz: torch.Tensor,
+    group_size: int,
+    glu: bool,
+) -> torch.Tensor:
+    """`int4_mma_normed_linear_reference`; on CUDA one kernel of the CUDA C++ int4 GEMV
+    (`ember.quant.cuda_int4.normed_linear`)."""
+    return int4_mma_normed_linear_reference(hw, sq, eps, words, sz, group_size, glu)
+
+
+@int4_mma_normed_linear.register_fake
+def _(hw, sq, eps, words, sz, group_size, glu):
+    return hw.new_empty(1, words.shape[0] // (2 if glu else 1))
+
+
+@int4_mma_normed_linear.register_kernel("cuda")
+def _(hw, sq, eps, words, sz, group_size, glu):
+    from ember.quant import cuda_int4
+
+    x = hw.reshape(1, -1)
+    if cuda_int4.fold_fits(x, words, sz, group_size) and (not glu or (words.shape[0] // 2) % 16 == 0):
+        return cuda_int4.normed_linear(x, sq, eps, words, sz, group_size, glu)
+    return int4_mma_normed_linear_reference(hw, sq, eps, words, sz, group_size, glu)
 
 
 def int4_mma_rounded_linear_reference(

@@ -505,6 +505,44 @@ class Int4WeightOnlyLinear(QuantLinear):
         y = kernels.int4_mma_rounded_linear(r, self._words, self._msz, self.group_size, glu)
         return y.reshape(*shape[:-1], -1)
 
+    def carries_norm(self, x: torch.Tensor) -> bool:
+        """Whether a decode row like x (one bf16 row on CUDA) runs this projection with the RMSNorm between it and
+        the next carried across their GEMVs (`linear_add_norm`, `normed_forward`; `ember.quant.cuda_int4.
+        FOLD_NORMS`): the CUDA C++ int4 GEMV over whole rows, no bias."""
+        return (
+            cuda_int4.FOLD_NORMS
+            and self._whole_rows
+            and self.bias is None
+            and x.is_cuda
+            and x.numel() == x.shape[-1]
+            and x.dtype == torch.bfloat16
+            and self.in_features <= cuda_int4.FOLD_MAX_K
+        )
+
+    def linear_add_norm(
+        self, x: torch.Tensor, resid: torch.Tensor, norm: nn.Module
+    ) -> tuple[torch.Tensor, kernels.NormedRow]:
+        """(h, norm(h) as a `kernels.NormedRow`) with h = resid + self(x), for one row: one GEMV
+        (`kernels.int4_mma_linear_add_norm`; `carries_norm`). norm: an `ember.ops.norm.RMSNorm`."""
+        h, hw, sq = kernels.int4_mma_linear_add_norm(
+            x.reshape(1, -1),
+            self._words,
+            self._msz,
+            self.group_size,
+            resid.reshape(1, -1),
+            norm.weight,
+            norm.offset,
+        )
+        return h.reshape(resid.shape), kernels.NormedRow(hw, sq, norm.eps)
+
+    def normed_forward(self, row: kernels.NormedRow, shape: torch.Size, glu: bool = False) -> torch.Tensor:
+        """self(norm(h)) for the row h of `shape` carried as `linear_add_norm` leaves it, or silu(gate) * up of it
+        with glu (a gate/up projection): one GEMV (`kernels.int4_mma_normed_linear`; `carries_norm`)."""
+        y = kernels.int4_mma_normed_linear(
+            row.hw, row.sq, row.eps, self._words, self._msz, self.group_size, glu
+        )
+        return y.reshape(*shape[:-1], -1)
+
     def split_forward(self, x: torch.Tensor) -> torch.Tensor | kernels.SplitSum:
         """forward(x); or, for one decode row on CUDA where the tiled GEMV splits K, its float32 partial sums
         (`kernels.SplitSum`) for a consumer that adds them as it reads them, in place of the pass that would."""

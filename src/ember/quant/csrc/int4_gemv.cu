@@ -201,13 +201,21 @@ __device__ __forceinline__ void step(uint4 w, const uint4 (&x)[2], float (&C)[4]
 // GLU: the weight is gate rows over up rows (2N of them) and y (M, N) = silu(gate) * up, each rounded where
 // the unfused bf16 ops round. LEAN: a group's activations are loaded as it is multiplied (not one group
 // ahead), for fewer registers and so more warps a multiprocessor (a small projection is all ramp and tail).
-template <int GS, int TW, int KW, int DEPTH, bool LEAN, bool SPLIT, bool GLU, bool ASYNC, int A8>
+// FOLD (one activation row) carries a pre-norm layer's RMSNorm across a GEMV boundary, with no norm kernel:
+// 1, a projection before the norm, stores h = resid + the product (rounded as torch adds), hw = h (offset +
+// wn) in bf16 (the norm's weight applied, not its factor) and each tile's sum of h^2 (sq, N / 16 floats); 2,
+// the projection after it, takes hw as x and sq, and scales its sums by RMSNorm's factor of the row,
+// rsqrt(sum(sq) / K + eps), before it stores them (with GLU, before the activation).
+template <int GS, int TW, int KW, int DEPTH, bool LEAN, bool SPLIT, bool GLU, bool ASYNC, int A8, int FOLD>
 __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * (GLU ? 2 : 1) * KW * 32, LEAN))
     int4_mma_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u32* __restrict__ sz,
-                  void* __restrict__ y, int N, int K, int M) {
+                  void* __restrict__ y, int N, int K, int M, const u16* __restrict__ resid, u16* __restrict__ hw,
+                  float* __restrict__ sq, const u16* __restrict__ wn, float offset, float eps) {
   static_assert(!(GLU && SPLIT), "a gate/up GEMV stores whole rows");
   static_assert(!(ASYNC && LEAN), "LEAN's point is registers; ASYNC's ring is in shared memory");
   static_assert(!(A8 && SPLIT), "A8 runs whole rows");
+  static_assert(!FOLD || (!SPLIT && !A8), "FOLD runs whole rows of bf16 activations");
+  static_assert(FOLD != 1 || !GLU, "FOLD 1 is a projection into the residual stream");
   constexpr int SLOTS = TW * (GLU ? 2 : 1);
   constexpr int WARPS = SLOTS * KW;
   pdl_launch_dependents();
@@ -346,6 +354,14 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
     }
   }
   if (ASYNC) wait_async<0>();  // no copy may land in shared memory after the block has left it
+  // FOLD 2: the lane's share of the row's sums of h^2 (up to 16 a lane: K <= 8192), read before the warps'
+  // sums meet, added after (not held in registers through the loop)
+  float sqs[FOLD == 2 ? 16 : 1];
+#pragma unroll
+  for (int i = 0; i < (FOLD == 2 ? 16 : 0); ++i) {
+    const int at = lane + 32 * i;
+    sqs[i] = kr == 0 && at < (K >> 4) ? __ldg(sq + at) : 0.0f;
+  }
   if (KW > 1) {  // the slot's other warps hand their sums to warp `slot`, which adds them in order
     __shared__ float red[KW > 1 ? (KW - 1) * SLOTS * 128 : 1];
     if (kr > 0) {
@@ -361,6 +377,15 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
       }
     }
   }
+  float r = 1.0f;  // FOLD 2: RMSNorm's factor of the row (every lane, for the shuffles; kr 0's is right)
+  if (FOLD == 2) {
+    float total = 0.0f;
+#pragma unroll
+    for (int i = 0; i < (FOLD == 2 ? 16 : 0); ++i) total += sqs[i];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xFFFFFFFFu, total, o);
+    r = rsqrtf(total / (float)K + eps);
+  }
   if (GLU) {  // the up warps hand their sums to the gate warps of the same rows
     __shared__ float ups[GLU ? TW * 128 : 1];
     if (kr == 0 && up) {
@@ -373,23 +398,37 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
     for (int c = 0; c < 4; ++c) {
       const int m = 2 * q + (c & 1), row = own * 16 + g + 8 * (c >> 1);
       if (m < M) {
-        const float gate = round_to<true>(acc[c]);
+        const float gate = round_to<true>(FOLD == 2 ? acc[c] * r : acc[c]);
         const float act = round_to<true>(gate / (1.0f + __expf(-gate)));
-        const float out = act * round_to<true>(ups[slot * 128 + c * 32 + lane]);
+        const float upv = ups[slot * 128 + c * 32 + lane];
+        const float out = act * round_to<true>(FOLD == 2 ? upv * r : upv);
         static_cast<u16*>(y)[(size_t)m * N + row] = from_f32<true>(out);
       }
     }
     return;
   }
   if (kr > 0 || own >= T) return;
+  float squares = 0.0f;  // FOLD 1: of the lane's h
 #pragma unroll
   for (int c = 0; c < 4; ++c) {
     const int m = 2 * q + (c & 1), row = tile * 16 + g + 8 * (c >> 1);
     if (m < M) {
-      if (SPLIT)
+      if (SPLIT) {
         static_cast<float*>(y)[((size_t)blockIdx.y * M + m) * N + row] = acc[c];
-      else
-        static_cast<u16*>(y)[(size_t)m * N + row] = from_f32<true>(acc[c]);
+      } else if (FOLD == 1) {
+        const u16 h = from_f32<true>(to_f32<true>(resid[(size_t)m * N + row]) + round_to<true>(acc[c]));
+        const float hf = to_f32<true>(h);
+        static_cast<u16*>(y)[(size_t)m * N + row] = h;
+        hw[(size_t)m * N + row] = from_f32<true>(hf * (offset + to_f32<true>(wn[row])));
+        squares = fmaf(hf, hf, squares);
+      } else {
+        static_cast<u16*>(y)[(size_t)m * N + row] = from_f32<true>(FOLD == 2 ? acc[c] * r : acc[c]);
+      }
     }
+  }
+  if (FOLD == 1) {  // the tile's 16 rows: lanes q = 0 hold them (M = 1), g apart
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) squares += __shfl_xor_sync(0xFFFFFFFFu, squares, o);
+    if (lane == 0) sq[tile] = squares;
   }
 }
