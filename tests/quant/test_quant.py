@@ -391,13 +391,14 @@ def test_the_streamed_weight_is_the_largest_tensor_a_row_reads_and_compiles(sche
     assert torch.equal(compiled(), streamed_weight(q))
 
 
-def test_a_decode_step_with_the_mlp_norm_carried_across_int4_projections_is_the_same_step(monkeypatch):
-    # `DecoderLayer.carries_norm`: on a CUDA decode row the output projection's GEMV adds the residual and hands
-    # on the row times the MLP norm's weight with its sums of squares; gate/up's applies the norm's factor. Here
-    # the ops' twins stand in (CPU, float32: no rounding between the two forms), so what is checked is the
-    # plumbing: which residual, which norm, SwiGLU, and that a prompt's rows are never carried.
+def test_a_decode_step_with_norms_carried_across_int4_projections_is_the_same_step(monkeypatch):
+    # `DecoderLayer.carries_norm`: on a CUDA decode row the GEMV before each norm (o; down, into the next
+    # layer) adds the residual and hands on the row times the norm's weight with its sums of squares; the GEMV
+    # after it (gate/up; the next layer's qkv) applies the norm's factor. Here the ops' twins stand in (CPU,
+    # float32: no rounding between the two forms), so what is checked is the plumbing: which residual, which
+    # norm, across layers, the first layer's and the final norm, and that a prompt's rows are never carried.
     from ember.engine.kv_cache import StaticKVCache
-    from ember.quant import kernels
+    from ember.quant import cuda_int4, kernels
     from ember.quant.linear import Int4WeightOnlyLinear
 
     torch.manual_seed(0)
@@ -429,6 +430,7 @@ def test_a_decode_step_with_the_mlp_norm_carried_across_int4_projections_is_the_
     monkeypatch.setattr(Int4WeightOnlyLinear, "split_forward", forward)
     outs = {}
     for carries in (False, True):
+        monkeypatch.setattr(cuda_int4, "FOLD_NORMS", carries)
         monkeypatch.setattr(
             Int4WeightOnlyLinear, "carries_norm", lambda self, x, on=carries: on and x.numel() == x.shape[-1]
         )
@@ -436,7 +438,8 @@ def test_a_decode_step_with_the_mlp_norm_carried_across_int4_projections_is_the_
         model(tokens[:, :5], torch.arange(5)[None], cache)  # the prompt: several rows, never carried
         assert not calls
         outs[carries] = model(tokens[:, 5:], torch.tensor([[5]]), cache)
-    assert sorted(calls) == sorted(["linear_add_norm", "normed_forward"] * cfg.num_layers)
+    # o and gate/up in every layer, down into the next layer and qkv from the one before
+    assert sorted(calls) == sorted(["linear_add_norm", "normed_forward"] * (2 * cfg.num_layers - 1))
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
 
 

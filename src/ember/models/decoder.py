@@ -23,6 +23,7 @@ from ember.errors import UnsupportedArchitectureError
 from ember.ops.linear import Linear, project, silu_gate_up
 from ember.ops.norm import RMSNorm
 from ember.ops.rope import Rope
+from ember.quant import cuda_int4
 from ember.quant.kernels import NormedRow, SplitSum
 
 
@@ -106,14 +107,19 @@ class MLP(nn.Module):
         norm: RMSNorm | None = None,
         rounded: torch.Tensor | None = None,
         normed: NormedRow | None = None,
-    ) -> torch.Tensor | SplitSum:
+        next_norm: RMSNorm | None = None,
+    ) -> torch.Tensor | SplitSum | tuple[torch.Tensor, NormedRow]:
         """split: the down projection may return its partial sums (`project`) for the next norm to add. norm: x
         is the residual stream, and the result is x + MLP(norm(x)), the norm and the add folded into the GEMVs
         (SwiGLU, projections that `fold`: `DecoderLayer.folds`). rounded: x rounded to int8 by the norm before,
         for a gate/up projection that reads it so (SwiGLU: `DecoderLayer.rounds`). normed: the row x normed as
-        the projection before carried it (`NormedRow`; SwiGLU: `DecoderLayer.carries_norm`)."""
+        the projection before carried it (`NormedRow`; SwiGLU: `DecoderLayer.carries_norm`); with next_norm, x
+        is the residual stream and the result (h, next_norm(h) as a `NormedRow`), h = x + MLP."""
         if normed is not None:
-            return project(self.down_proj, self.gate_up_proj.normed_forward(normed, x.shape, glu=True), split)
+            act = self.gate_up_proj.normed_forward(normed, x.shape, glu=True)
+            if next_norm is not None:
+                return self.down_proj.linear_add_norm(act, x, next_norm)
+            return project(self.down_proj, act, split)
         if rounded is not None:
             return project(
                 self.down_proj, self.gate_up_proj.rounded_forward(rounded, x.shape, glu=True), split
@@ -242,18 +248,22 @@ class Attention(nn.Module):
         split: bool = False,
         norm: RMSNorm | None = None,
         rounded: torch.Tensor | None = None,
+        normed: NormedRow | None = None,
         resid: torch.Tensor | None = None,
         next_norm: RMSNorm | None = None,
     ) -> torch.Tensor | SplitSum | tuple[torch.Tensor, NormedRow]:
         """split: the output projection may return its partial sums (`project`) for the next norm to add. norm:
         x is the residual stream, and the result is x + attention(norm(x)), the norm and the add folded into
         the qkv and output GEMVs (projections that `fold`: `DecoderLayer.folds`). rounded: x rounded to int8 by
-        the norm before, for a qkv projection that reads it so (`DecoderLayer.rounds`). resid, next_norm: the
-        result is (h, next_norm(h) as a `NormedRow`), h = resid + attention(x), from the output projection's
-        GEMV (`DecoderLayer.carries_norm`)."""
+        the norm before, for a qkv projection that reads it so (`DecoderLayer.rounds`). normed: the row normed
+        as the projection before carried it (x then only gives the shape). resid, next_norm: the result is (h,
+        next_norm(h) as a `NormedRow`), h = resid + attention, from the output projection's GEMV
+        (`DecoderLayer.carries_norm`)."""
         B, T, _ = x.shape
         H, K, D = self.H, self.K, self.D
-        if rounded is not None:
+        if normed is not None:
+            qkv = self.qkv_proj.normed_forward(normed, x.shape)
+        elif rounded is not None:
             qkv = self.qkv_proj.rounded_forward(rounded, x.shape)
         else:
             qkv = self.qkv_proj(x) if norm is None else self.qkv_proj.norm_linear(x, norm)
@@ -315,16 +325,19 @@ class DecoderLayer(nn.Module):
     def forward_pre(
         self,
         x: torch.Tensor,
-        delta: torch.Tensor | SplitSum | None,
+        delta: torch.Tensor | SplitSum | NormedRow | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache,
         split: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor | SplitSum]:
+        next_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | SplitSum | NormedRow | None]:
         """A pre-norm layer on the residual stream x + delta (delta: the previous layer's MLP output, not yet
         added; None at the first layer) -> (stream after attention, this layer's MLP output). Each add is done
         by the norm after it (`RMSNorm.add_forward`: one kernel when decoding on CUDA). With `split`, the
         attention and MLP outputs may stay a split GEMV's partial sums (`SplitSum`), which those norms add; the
-        MLP output returned then may be one too."""
+        MLP output returned then may be one too. Where the layer carries its norms (`carries_norm`), delta may
+        be the previous layer's `NormedRow` of x (x then whole), and with next_norm (the next layer's input
+        norm, where that layer carries its norms too) the result is (the whole stream, next_norm's row)."""
         cos, sin = rope
         m = self.residual_multiplier
         if self.folds(x):  # each add and norm inside a GEMV: the stream comes out whole
@@ -333,12 +346,21 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(x, cos, sin, cache, norm=self.input_layernorm)
             return self.mlp(h, norm=self.post_attention_layernorm), None
         split = split and m == 1.0  # a scaled branch is summed first
-        if self.carries_norm(x):  # the norm before the MLP carried across the output projection's GEMV
-            h, n = (
-                (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add_forward(x, delta)
-            )
-            h, normed = self.self_attn(n, cos, sin, cache, resid=h, next_norm=self.post_attention_layernorm)
-            return h, self.mlp(h, split, normed=normed)
+        if self.carries_norm(x):  # each norm carried across the GEMVs either side of it (the first: a kernel)
+            if isinstance(delta, NormedRow):
+                h, n, row = x, x, delta
+            else:
+                h, n = (
+                    (x, self.input_layernorm(x))
+                    if delta is None
+                    else self.input_layernorm.add_forward(x, delta)
+                )
+                row = None
+            post = self.post_attention_layernorm
+            h, normed = self.self_attn(n, cos, sin, cache, normed=row, resid=h, next_norm=post)
+            if next_norm is None:  # the stream's last add is the norm's after this layer
+                return h, self.mlp(h, split, normed=normed)
+            return self.mlp(h, normed=normed, next_norm=next_norm)
         if self.rounds(x):  # the norms hand qkv and gate/up their rows rounded to int8 as well
             h, n, r = self.input_layernorm.add_forward(
                 x, torch.zeros_like(x) if delta is None else delta, True
@@ -370,16 +392,21 @@ class DecoderLayer(nn.Module):
         )
 
     def carries_norm(self, x: torch.Tensor) -> bool:
-        """Whether this pre-norm layer runs its decode row x with no norm kernel between attention and the MLP:
-        the output projection's GEMV adds the residual and hands on the row with the MLP norm's weight applied
-        and its sums of squares, and gate/up's GEMV applies the norm's factor to its sums
-        (`Int4WeightOnlyLinear.carries_norm`; `ember.quant.cuda_int4.FOLD_NORMS`). The MLP SwiGLU, the
-        branches unscaled, the norm's weight in the activations' dtype."""
+        """Whether this pre-norm layer runs its decode row x with its norms carried across the GEMVs either side
+        of them: the GEMV before a norm adds the residual and hands on the row with the norm's weight applied
+        and its sums of squares, the GEMV after it applies the norm's factor to its sums
+        (`Int4WeightOnlyLinear.carries_norm`; `ember.quant.cuda_int4.FOLD_NORMS`), so that between layers
+        that both carry them no norm kernel runs. The MLP SwiGLU, the branches unscaled, the norms' weights in
+        the activations' dtype, the width at most `cuda_int4.FOLD_MAX_K`."""
         if self.residual_multiplier != 1.0 or type(self.mlp) is not MLP or self.mlp.act is not F.silu:
             return False
-        projections = (self.self_attn.o_proj, self.mlp.gate_up_proj)
-        return self.post_attention_layernorm.weight.dtype == x.dtype and all(
-            hasattr(p, "carries_norm") and p.carries_norm(x) for p in projections
+        attn, mlp = self.self_attn, self.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)  # first: off, at once
+        norms = (self.input_layernorm, self.post_attention_layernorm)
+        return (
+            all(hasattr(p, "carries_norm") and p.carries_norm(x) for p in projections)
+            and x.shape[-1] <= cuda_int4.FOLD_MAX_K
+            and all(n.weight.dtype == x.dtype for n in norms)
         )
 
     def folds(self, x: torch.Tensor) -> bool:
@@ -461,9 +488,22 @@ class Decoder(nn.Module):
         local = self.local_rope(positions, lengths) if self.local_rope is not None else rope
         if cfg.norm_placement == "pre":  # the residual adds ride in the next norm (`forward_pre`)
             delta = None
-            for layer in self.model.layers:
+            layers = self.model.layers
+            for i, layer in enumerate(layers):
+                # a layer that carries its norms hands the next one its input norm's row, where that one does
+                carried = (
+                    cuda_int4.FOLD_NORMS
+                    and i + 1 < len(layers)
+                    and layer.carries_norm(h)
+                    and layers[i + 1].carries_norm(h)
+                )
                 h, delta = layer.forward_pre(
-                    h, delta, local if layer.uses_local_rope else rope, cache, split=self.fold_split_sums
+                    h,
+                    delta,
+                    local if layer.uses_local_rope else rope,
+                    cache,
+                    split=self.fold_split_sums,
+                    next_norm=layers[i + 1].input_layernorm if carried else None,
                 )
             return self.model.norm.add_forward(h, delta)[1] if delta is not None else self.model.norm(h)
         for layer in self.model.layers:

@@ -375,13 +375,9 @@ def linear_rounded(
 
 
 def fold_fits(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size: int) -> bool:
-    """Whether the FOLD kernels (`linear_add_norm`, `normed_linear`) run with one row x and these weights."""
-    return (
-        FOLD_NORMS
-        and x.numel() == x.shape[-1]
-        and words.shape[1] * 8 <= FOLD_MAX_K
-        and fits(x.reshape(1, -1), words, sz, group_size)
-    )
+    """Whether the FOLD kernels (`linear_add_norm`; `normed_linear`, whose row is at most FOLD_MAX_K) run with
+    one row x and these weights."""
+    return FOLD_NORMS and x.numel() == x.shape[-1] and fits(x.reshape(1, -1), words, sz, group_size)
 
 
 def linear_add_norm(

@@ -707,7 +707,8 @@ def _(hw, sq, eps, words, sz, group_size, glu):
     from ember.quant import cuda_int4
 
     x = hw.reshape(1, -1)
-    if cuda_int4.fold_fits(x, words, sz, group_size) and (not glu or (words.shape[0] // 2) % 16 == 0):
+    fits = x.shape[1] <= cuda_int4.FOLD_MAX_K and cuda_int4.fold_fits(x, words, sz, group_size)
+    if fits and sq.is_contiguous() and (not glu or (words.shape[0] // 2) % 16 == 0):
         return cuda_int4.normed_linear(x, sq, eps, words, sz, group_size, glu)
     return int4_mma_normed_linear_reference(hw, sq, eps, words, sz, group_size, glu)
 

@@ -516,7 +516,6 @@ class Int4WeightOnlyLinear(QuantLinear):
             and x.is_cuda
             and x.numel() == x.shape[-1]
             and x.dtype == torch.bfloat16
-            and self.in_features <= cuda_int4.FOLD_MAX_K
         )
 
     def linear_add_norm(
