@@ -10,10 +10,10 @@ With `A8` (off: it lost, see below), one activation row (a decode step) is round
 each block of the kernel and multiplied on the integer tensor cores (`rounds`; `a8_reference` is that arithmetic
 in torch). With `ROUNDED_ROWS` the row comes rounded by the norm kernel before the GEMV (`round_row`'s layout;
 `linear_rounded`), for a pre-norm int4 layer's qkv and gate/up (`ember.models.decoder.DecoderLayer.rounds`).
-With `FOLD_NORMS` the RMSNorm before an int4 MLP is carried across the GEMVs either side of it, with no norm
-kernel: the output projection adds the residual and hands on the row times the norm's weight and its sums of
-squares (`linear_add_norm`), gate/up applies the norm's factor to its sums (`normed_linear`;
-`ember.models.decoder.DecoderLayer.carries_norm`).
+With `FOLD_NORMS` an int4 layer's RMSNorms are carried across the GEMVs either side of them, with no norm
+kernel: the projection before a norm (o; down, into the next layer) adds the residual and hands on the row
+times the norm's weight and its sums of squares (`linear_add_norm`), the one after it (gate/up; qkv) applies
+the norm's factor to its sums (`normed_linear`; `ember.models.decoder.DecoderLayer.carries_norm`).
 
 Shape legend: M rows of activations, K input features, N output features, g group size, S runs of K.
 """
@@ -85,10 +85,11 @@ A8_BLOCK = 32  # activations an int8 scale
 # the norms' rounding adds (64 norms 81 -> 122-132 us a step; BENCHMARKS.md, thirty-third session). Off; an
 # H200's faster memory leaves the bf16 mma more exposed, so it is to be measured there.
 ROUNDED_ROWS = False
-# Whether pre-norm int4 layers carry the RMSNorm before gate/up across the o projection's GEMV (`FOLD` in
-# `int4_gemv.cu`: o stores h, h times the norm's weight and its tiles' sums of h^2; gate/up scales its sums by
-# the norm's factor), with no norm kernel between them (`linear_add_norm`, `normed_linear`). Not yet run on a
-# GPU: off until its GPU tests have passed and a whole step gains.
+# Whether pre-norm int4 layers carry their RMSNorms across the GEMVs either side of them (`FOLD` in
+# `int4_gemv.cu`: o, and down into the next layer, store h, h times the norm's weight and its tiles' sums of
+# h^2; gate/up, and the next layer's qkv, scale their sums by the norm's factor), with no norm kernel between
+# them (`linear_add_norm`, `normed_linear`; `DecoderLayer.carries_norm`): 62 of Llama-3-8B's 65 norm kernels
+# a step, ~80 us on an H100. Not yet run on a GPU: off until its GPU tests pass and a whole step gains.
 FOLD_NORMS = False
 FOLD_MAX_K = 8192  # the row a FOLD 2 GEMV reads: its tiles' sums, 16 a lane of a warp
 
