@@ -88,7 +88,7 @@ ROUNDED_ROWS = False
 # Whether pre-norm int4 layers carry their RMSNorms across the GEMVs either side of them (`FOLD` in
 # `int4_gemv.cu`: o, and down into the next layer, store h, h times the norm's weight and its tiles' sums of
 # h^2; gate/up, and the next layer's qkv, scale their sums by the norm's factor), with no norm kernel between
-# them (`linear_add_norm`, `normed_linear`; `DecoderLayer.carries_norm`): 62 of Llama-3-8B's 65 norm kernels
+# them (`linear_add_norm`, `normed_linear`; `DecoderLayer.carries_norm`): 63 of Llama-3-8B's 65 norm kernels
 # a step, ~80 us on an H100. Not yet run on a GPU: off until its GPU tests pass and a whole step gains.
 FOLD_NORMS = False
 FOLD_MAX_K = 8192  # the row a FOLD 2 GEMV reads: its tiles' sums, 16 a lane of a warp
