@@ -290,10 +290,9 @@ def test_the_norm_rounds_its_row_on_the_gpu_as_torch_does(offset):
         assert torch.equal(r, cuda_int4.round_row(out.reshape(1, E))), E
 
 
-@needs_cuda
-def test_an_int4_decode_step_with_rows_rounded_by_the_norms(monkeypatch):
-    # ROUNDED_ROWS on a CUDA decode step: every layer's qkv and gate/up read their norm's rounded row, and the
-    # step's logits stay within the activations' rounding of the step without it.
+def decode_steps_with_and_without(flag: str, method: str, monkeypatch):
+    """The tiny int4-g64 model's logits of one CUDA decode step with `cuda_int4.<flag>` off and on, and how
+    many times the step called `Int4WeightOnlyLinear.<method>`, and the model's layers."""
     from ember.bench import random_model
     from ember.engine.kv_cache import StaticKVCache
     from ember.quant.linear import Int4WeightOnlyLinear
@@ -306,20 +305,26 @@ def test_an_int4_decode_step_with_rows_rounded_by_the_norms(monkeypatch):
     cfg = model.config
     tokens = torch.randint(0, cfg.vocab_size, (1, 6), device=dev)
     calls = []
-    rounded_forward = Int4WeightOnlyLinear.rounded_forward
+    wrapped = getattr(Int4WeightOnlyLinear, method)
     monkeypatch.setattr(
-        Int4WeightOnlyLinear,
-        "rounded_forward",
-        lambda self, *a, **k: calls.append(1) or rounded_forward(self, *a, **k),
+        Int4WeightOnlyLinear, method, lambda self, *a, **k: calls.append(1) or wrapped(self, *a, **k)
     )
     outs = {}
     for on in (False, True):
-        monkeypatch.setattr(cuda_int4, "ROUNDED_ROWS", on)
+        monkeypatch.setattr(cuda_int4, flag, on)
         cache = StaticKVCache(cfg, batch_size=1, max_seq_len=16, device=dev, dtype=torch.bfloat16)
         model(tokens[:, :5], torch.arange(5, device=dev)[None], cache)
         outs[on] = model(tokens[:, 5:], torch.tensor([[5]], device=dev), cache).float()
-    assert len(calls) == 2 * cfg.num_layers
-    assert 0 < rel_err(outs[True], outs[False]) < 3e-2
+    return outs[False], outs[True], len(calls), cfg.num_layers
+
+
+@needs_cuda
+def test_an_int4_decode_step_with_rows_rounded_by_the_norms(monkeypatch):
+    # ROUNDED_ROWS on a CUDA decode step: every layer's qkv and gate/up read their norm's rounded row, and the
+    # step's logits stay within the activations' rounding of the step without it.
+    off, on, calls, layers = decode_steps_with_and_without("ROUNDED_ROWS", "rounded_forward", monkeypatch)
+    assert calls == 2 * layers
+    assert 0 < rel_err(on, off) < 3e-2
 
 
 @needs_cuda
@@ -362,29 +367,6 @@ def test_the_carried_norm_kernels_against_their_twins(group, monkeypatch):
 def test_an_int4_decode_step_with_norms_carried_across_the_gemvs(monkeypatch):
     # FOLD_NORMS on a CUDA decode step: no norm kernel but the first layer's input norm and the final one, and
     # the step's logits within the activations' rounding of the step without it.
-    from ember.bench import random_model
-    from ember.engine.kv_cache import StaticKVCache
-    from ember.quant.linear import Int4WeightOnlyLinear
-
-    monkeypatch.setattr(cuda_int4, "OFFERED", True)
-    monkeypatch.setattr(cuda_int4, "WHOLE_ROWS", True)
-    dev = torch.device("cuda")
-    torch.manual_seed(0)
-    model = random_model("tiny", device=dev, dtype=torch.bfloat16, quantize="int4-g64")
-    cfg = model.config
-    tokens = torch.randint(0, cfg.vocab_size, (1, 6), device=dev)
-    calls = []
-    linear_add_norm = Int4WeightOnlyLinear.linear_add_norm
-    monkeypatch.setattr(
-        Int4WeightOnlyLinear,
-        "linear_add_norm",
-        lambda self, *a, **k: calls.append(1) or linear_add_norm(self, *a, **k),
-    )
-    outs = {}
-    for on in (False, True):
-        monkeypatch.setattr(cuda_int4, "FOLD_NORMS", on)
-        cache = StaticKVCache(cfg, batch_size=1, max_seq_len=16, device=dev, dtype=torch.bfloat16)
-        model(tokens[:, :5], torch.arange(5, device=dev)[None], cache)
-        outs[on] = model(tokens[:, 5:], torch.tensor([[5]], device=dev), cache).float()
-    assert len(calls) == 2 * cfg.num_layers - 1  # o in every layer, down into the next layer
-    assert 0 < rel_err(outs[True], outs[False]) < 3e-2
+    off, on, calls, layers = decode_steps_with_and_without("FOLD_NORMS", "linear_add_norm", monkeypatch)
+    assert calls == 2 * layers - 1  # o in every layer, down into the next one
+    assert 0 < rel_err(on, off) < 3e-2

@@ -323,6 +323,24 @@ def test_a_decode_step_with_norms_and_adds_folded_into_int8_projections_is_the_s
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-6)
 
 
+def int4_model_in_cuda_layout(dtype: torch.dtype):
+    """The tiny model quantized int4-g64 on CPU, with norms that do more than pass their input through and the
+    CUDA kernels' layout of each projection built (for their ops' twins)."""
+    from ember.quant import kernels
+    from ember.quant.linear import Int4WeightOnlyLinear
+
+    torch.manual_seed(0)
+    model = random_model("tiny", device="cpu", dtype=dtype, quantize="int4-g64")
+    for layer in model.model.layers:
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.data = (torch.rand_like(norm.weight.float()) + 0.5).to(norm.weight.dtype)
+        for module in layer.modules():
+            if isinstance(module, Int4WeightOnlyLinear):
+                module._words = kernels.int4_mma_tile(module.qweight)
+                module._msz = kernels.int4_mma_scales(module.scales, module.mins)
+    return model
+
+
 def test_a_decode_step_with_int4_rows_rounded_by_the_norms_is_the_same_step(monkeypatch):
     # `DecoderLayer.rounds`: on a CUDA decode row each pre-norm int4 layer's norms hand qkv and gate/up the row
     # rounded to int8 (`cuda_int4.round_row`), which their GEMVs read as it is. Here the ops' twins stand in
@@ -333,15 +351,7 @@ def test_a_decode_step_with_int4_rows_rounded_by_the_norms_is_the_same_step(monk
     from ember.quant import cuda_int4, kernels
     from ember.quant.linear import Int4WeightOnlyLinear
 
-    torch.manual_seed(0)
-    model = random_model("tiny", device="cpu", dtype=torch.bfloat16, quantize="int4-g64")
-    for layer in model.model.layers:
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            norm.weight.data = (torch.rand_like(norm.weight.float()) + 0.5).to(norm.weight.dtype)
-        for module in layer.modules():
-            if isinstance(module, Int4WeightOnlyLinear):  # the CUDA layout's buffers, built on CPU
-                module._words = kernels.int4_mma_tile(module.qweight)
-                module._msz = kernels.int4_mma_scales(module.scales, module.mins)
+    model = int4_model_in_cuda_layout(torch.bfloat16)
     takers = {id(layer.self_attn.qkv_proj) for layer in model.model.layers}
     takers |= {id(layer.mlp.gate_up_proj) for layer in model.model.layers}
     cfg = model.config
@@ -401,15 +411,7 @@ def test_a_decode_step_with_norms_carried_across_int4_projections_is_the_same_st
     from ember.quant import cuda_int4, kernels
     from ember.quant.linear import Int4WeightOnlyLinear
 
-    torch.manual_seed(0)
-    model = random_model("tiny", device="cpu", dtype=torch.float32, quantize="int4-g64")
-    for layer in model.model.layers:
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            norm.weight.data = torch.rand_like(norm.weight) + 0.5
-        for module in layer.modules():
-            if isinstance(module, Int4WeightOnlyLinear):  # the CUDA layout's buffers, built on CPU
-                module._words = kernels.int4_mma_tile(module.qweight)
-                module._msz = kernels.int4_mma_scales(module.scales, module.mins)
+    model = int4_model_in_cuda_layout(torch.float32)
     cfg = model.config
     tokens = torch.randint(0, cfg.vocab_size, (1, 6))
     calls = []

@@ -489,14 +489,7 @@ class Int4WeightOnlyLinear(QuantLinear):
         """Whether a decode row like x (one bf16 row on CUDA) runs this projection from the row rounded to int8
         by the norm before it (`rounded_forward`; `ember.quant.cuda_int4.ROUNDED_ROWS`): the CUDA C++ int4 GEMV
         over whole rows, no bias."""
-        return (
-            cuda_int4.ROUNDED_ROWS
-            and self._whole_rows
-            and self.bias is None
-            and x.is_cuda
-            and x.numel() == x.shape[-1]
-            and x.dtype == torch.bfloat16
-        )
+        return cuda_int4.ROUNDED_ROWS and self._whole_row_gemv(x)
 
     def rounded_forward(self, r: torch.Tensor, shape: torch.Size, glu: bool = False) -> torch.Tensor:
         """self(x) for the row x of `shape` given as r, the row rounded to int8 (`cuda_int4.round_row`'s buffer),
@@ -509,9 +502,13 @@ class Int4WeightOnlyLinear(QuantLinear):
         """Whether a decode row like x (one bf16 row on CUDA) runs this projection with the RMSNorm between it and
         the next carried across their GEMVs (`linear_add_norm`, `normed_forward`; `ember.quant.cuda_int4.
         FOLD_NORMS`): the CUDA C++ int4 GEMV over whole rows, no bias."""
+        return cuda_int4.FOLD_NORMS and self._whole_row_gemv(x)
+
+    def _whole_row_gemv(self, x: torch.Tensor) -> bool:
+        """Whether x is one bf16 row on CUDA that this projection (no bias) runs on the CUDA C++ int4 GEMV over
+        whole rows: what its variants beside `forward` need."""
         return (
-            cuda_int4.FOLD_NORMS
-            and self._whole_rows
+            self._whole_rows
             and self.bias is None
             and x.is_cuda
             and x.numel() == x.shape[-1]
