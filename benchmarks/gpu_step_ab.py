@@ -7,7 +7,9 @@ decode one random-weight model (Llama-3-8B shape unless `--shape`), each through
 whose decode graph is captured with its arm's kernels; the timed runs alternate between the arms, so slow
 drifts of the machine fall on both. The GEMV tuner picks block shapes once per shape and arm. `--set
 MODULE.NAME=VALUE` sets a module constant for the candidate arm only (say, offering the tuner fewer block
-shapes: `--set ember.quant.cuda_int4.LEAN_OFFERED=False`). Steps are timed as `ember bench` times them
+shapes: `--set ember.quant.cuda_int4.LEAN_OFFERED=False`); `--arm NAME MODULE.NAME=VALUE...` adds an arm of
+the working tree's kernels with those constants, against the same baseline in the same run (one model build
+for several candidates). Steps are timed as `ember bench` times them
 (128-token prompt, 256 tokens, compiled); the table gives each arm's median step, the change, whether the
 arms gave the same greedy tokens (a kernel that rounds differently may not), and whether the tuner picked
 the same block shapes in both (if not, the GEMVs add in other orders, and the tokens of a random-weight model
@@ -17,6 +19,8 @@ may part for that alone).
     python benchmarks/gpu_step_ab.py --baseline HEAD~1 --configs int4       # what the last commit changed
     python benchmarks/gpu_step_ab.py --attention /tmp/candidate.cu          # one candidate file
     python benchmarks/gpu_step_ab.py --set ember.quant.cuda_int4.LEAN_OFFERED=False --configs int4
+    python benchmarks/gpu_step_ab.py --arm fold ember.quant.cuda_int4.FOLD_NORMS=True \
+        --arm hold ember.quant.tuning.PRECEDED_NS=3000 --configs int4 int8   # two flags, one baseline
 
 Both arms launch through the working tree's Python, so a baseline's kernels must take its template arguments
 (the int4 GEMV's gained ASYNC at 964d4f7: older revisions cannot stand in for it), and include
@@ -105,6 +109,14 @@ def main() -> None:
             f"--{key}", type=Path, help=f"the candidate's {key} kernel (default: the working tree's)"
         )
     ap.add_argument("--set", action="append", default=[], help="MODULE.NAME=VALUE for the candidate arm")
+    ap.add_argument(
+        "--arm",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar="NAME [MODULE.NAME=VALUE]",
+        help="one more arm: the working tree's kernels with these constants",
+    )
     ap.add_argument("--runs", type=int, default=7, help="timed runs an arm (after 2 warm-ups)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -117,10 +129,23 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="ember-ab-"))
     settings, originals = parse_settings(args.set)
     working = {key: getattr(args, key) or ROOT / path for key, (_, path) in KERNELS.items()}
-    arms = {"baseline": Arm(sources_at(args.baseline, tmp), originals), "candidate": Arm(working, settings)}
+    arms = {"baseline": Arm(sources_at(args.baseline, tmp), originals)}
+    if args.set or any(getattr(args, key) for key in KERNELS) or not args.arm:
+        arms["candidate"] = Arm(working, settings)
+    for name, *pairs in args.arm:
+        if name in arms:
+            raise SystemExit(f"--arm {name!r}: an arm of that name is already there")
+        extra_settings, extra_originals = parse_settings(pairs)
+        arms[name] = Arm(working, extra_settings)
+        for key, value in extra_originals.items():  # the baseline sets back whatever an arm changes
+            arms["baseline"].settings.setdefault(key, value)
+    for arm in arms.values():  # every arm sets every constant any arm changes (the others' as they were)
+        for key, value in arms["baseline"].settings.items():
+            arm.settings.setdefault(key, value)
     dev = torch.device("cuda")
     params = SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True)
     extra = "".join(f"; the candidate sets {pair}" for pair in args.set)
+    extra += "".join(f"; arm {name} sets {', '.join(pairs)}" for name, *pairs in args.arm)
     print(
         f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}; baseline {args.baseline}{extra}",
         flush=True,
@@ -144,23 +169,26 @@ def main() -> None:
                     pass
                 t = gens[arm].timings
                 steps[arm].append(1e6 * t.decode_s / t.decode_steps)
-        base, cand = (statistics.median(steps[arm]) for arm in arms)
-        same_picks = arms["baseline"].picks == arms["candidate"].picks
-        rows.append((config, base, cand, tokens["baseline"] == tokens["candidate"], same_picks))
+        base = statistics.median(steps["baseline"])
+        for arm in list(arms)[1:]:
+            same_picks = arms["baseline"].picks == arms[arm].picks
+            same = tokens["baseline"] == tokens[arm]
+            rows.append((config, arm, base, statistics.median(steps[arm]), same, same_picks))
         print(
-            f"{config}: baseline {sorted(round(s, 1) for s in steps['baseline'])}, "
-            f"candidate {sorted(round(s, 1) for s in steps['candidate'])}",
+            f"{config}: " + ", ".join(f"{arm} {sorted(round(s, 1) for s in steps[arm])}" for arm in arms),
             flush=True,
         )
         del gens, model
         torch._dynamo.reset()
         torch.cuda.empty_cache()
-    print(f"\n| {args.shape} | baseline step | candidate step | change | same tokens | same picks |")
-    print("| --- | ---: | ---: | ---: | --- | --- |")
+    print(f"\n| {args.shape} | arm | baseline step | arm's step | change | same tokens | same picks |")
+    print("| --- | --- | ---: | ---: | ---: | --- | --- |")
     yes = {True: "yes", False: "no"}
-    for config, base, cand, same, picks in rows:
+    for config, arm, base, cand, same, picks in rows:
         change = 100 * (cand / base - 1)
-        print(f"| {config} | {base:.1f} us | {cand:.1f} us | {change:+.2f}% | {yes[same]} | {yes[picks]} |")
+        print(
+            f"| {config} | {arm} | {base:.1f} us | {cand:.1f} us | {change:+.2f}% | {yes[same]} | {yes[picks]} |"
+        )
 
 
 if __name__ == "__main__":
