@@ -9,6 +9,7 @@ up to the step exactly; an idle gap is charged to the kernel after it.
 
     python benchmarks/gpu_step_profile.py --configs int4 int8 bf16
     python benchmarks/gpu_step_profile.py --configs int4 --sequence 24   # also one stretch of a step in order
+    python benchmarks/gpu_step_profile.py --configs int4 --set ember.quant.cuda_int4.FOLD_NORMS=True
 
 The table gives, per kernel (template arguments kept, call arguments dropped): launches a step, marginal us a
 step, its share of the step, and its mean span (start to end, waiting included). Above it: the step time
@@ -20,8 +21,10 @@ untraced): enqueuing the step, and waiting for its token. A host that seldom wai
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import gc
+import importlib
 import re
 import statistics
 import sys
@@ -181,6 +184,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="decodes before the timed ones (compilation)")
     ap.add_argument("--top", type=int, default=20, help="kernels in the table")
     ap.add_argument("--sequence", type=int, default=0, help="also print this many kernels of a step in order")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        help="MODULE.NAME=VALUE: a module constant, set before the build",
+    )
     args = ap.parse_args()
     if args.new < 3 or args.prompt < 1:
         raise SystemExit(
@@ -188,6 +197,12 @@ def main() -> None:
         )
     if not torch.cuda.is_available():
         raise SystemExit("gpu_step_profile.py needs a CUDA GPU")
+    for pair in args.set:  # say, a switch that is off: ember.quant.cuda_int4.FOLD_NORMS=True
+        name, eq, value = pair.partition("=")
+        module, _, attr = name.rpartition(".")
+        if not eq or not module:
+            raise SystemExit(f"--set {pair!r}: expected MODULE.NAME=VALUE")
+        setattr(importlib.import_module(module), attr, ast.literal_eval(value))
     for config in args.configs:
         profile_config(config, args)
         gc.collect()
