@@ -20,6 +20,7 @@ from torch import nn
 
 from ember.config import ModelConfig
 from ember.errors import UnsupportedArchitectureError
+from ember.ops import cuda_attention
 from ember.ops.linear import Linear, project, silu_gate_up
 from ember.ops.norm import RMSNorm
 from ember.ops.rope import Rope
@@ -277,7 +278,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         out = cache.attend(
             self.layer, q, k, v, rope=(cos, sin), window=self.window, scale=self.scale, softcap=self.softcap,
-            ahead=streamed_weight(self.o_proj) if T == 1 and x.is_cuda else None,
+            ahead=streamed_weight(self.o_proj) if cuda_attention.AHEAD_BYTES and T == 1 and x.is_cuda else None,
         )  # fmt: skip
         if norm is not None:
             return self.o_proj.linear_add(out.reshape(B, T, H * D), x)
@@ -489,14 +490,10 @@ class Decoder(nn.Module):
         if cfg.norm_placement == "pre":  # the residual adds ride in the next norm (`forward_pre`)
             delta = None
             layers = self.model.layers
+            # a layer that carries its norms hands the next one its input norm's row, where that one does
+            carries = [layer.carries_norm(h) for layer in layers] + [False] if cuda_int4.FOLD_NORMS else None
             for i, layer in enumerate(layers):
-                # a layer that carries its norms hands the next one its input norm's row, where that one does
-                carried = (
-                    cuda_int4.FOLD_NORMS
-                    and i + 1 < len(layers)
-                    and layer.carries_norm(h)
-                    and layers[i + 1].carries_norm(h)
-                )
+                carried = carries is not None and carries[i] and carries[i + 1]
                 h, delta = layer.forward_pre(
                     h,
                     delta,

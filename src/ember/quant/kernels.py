@@ -210,13 +210,17 @@ def _(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a fused gate/up projection's output y (..., 2I): gate columns, then up."""
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def silu_gate_up_reference(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None
 ) -> torch.Tensor:
     """x (M, K), a fused gate/up weight (2I, K) (float, or int8 codes with scales (2I,)) -> silu(gate) * up (M, I)."""
-    y = F.linear(x, weight) if scales is None else int8_linear_reference(x, weight, scales)
-    gate, up = y.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return swiglu(F.linear(x, weight) if scales is None else int8_linear_reference(x, weight, scales))
 
 
 @torch.library.custom_op("ember::silu_gate_up", mutates_args=())
@@ -430,8 +434,7 @@ class NormedRow(NamedTuple):
 def silu_mul_partials_reference(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """parts (S, M, 2I) float32 partial sums of a fused gate/up projection -> silu(gate) * up (M, I) in `dtype`:
     the sums added and rounded as `SplitSum.total` does, then the activation as `silu_gate_up_reference`."""
-    gate, up = SplitSum(parts).total(dtype).chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return swiglu(SplitSum(parts).total(dtype))
 
 
 @torch.library.custom_op("ember::silu_mul_partials", mutates_args=())
@@ -580,8 +583,7 @@ def int4_mma_silu_gate_up_reference(
 ) -> torch.Tensor:
     """silu(gate) * up (M, N) of x (M, K) and a gate/up weight (gate rows over up rows, 2N of them) in the
     tensor-core layout: the projection in x's dtype, then the activation as `silu_gate_up_reference` rounds."""
-    gate, up = int4_mma_linear(x, words, sz, group_size).chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return swiglu(int4_mma_linear(x, words, sz, group_size))
 
 
 @torch.library.custom_op("ember::int4_mma_silu_gate_up", mutates_args=())
@@ -676,10 +678,7 @@ def int4_mma_normed_linear_reference(
     silu(gate) * up of those, as `int4_mma_silu_gate_up_reference` rounds."""
     r = torch.rsqrt(sq.sum() / hw.shape[-1] + eps)
     y = ((hw.reshape(1, -1).float() @ int4_mma_dequantize(words, sz, group_size).T) * r).to(hw.dtype)
-    if glu:
-        gate, up = y.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return y
+    return swiglu(y) if glu else y
 
 
 @torch.library.custom_op("ember::int4_mma_normed_linear", mutates_args=())
@@ -723,10 +722,7 @@ def int4_mma_rounded_linear_reference(
 
     x = unround_row(r, words.shape[1] * 8)
     y = (x @ int4_mma_dequantize(words, sz, group_size).T).to(torch.bfloat16)
-    if glu:
-        gate, up = y.chunk(2, dim=-1)
-        return F.silu(gate) * up
-    return y
+    return swiglu(y) if glu else y
 
 
 @torch.library.custom_op("ember::int4_mma_rounded_linear", mutates_args=())
