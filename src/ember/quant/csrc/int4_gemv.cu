@@ -283,6 +283,27 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
       xc[s][1] = __ldg(xp + (min(first, top) * GS + s) * 8 + 1);
     }
   }
+  // FOLD's operands read before the loop, while the first groups are in flight (after it, each read's latency
+  // was the kernel's tail: o and qkv took ~1 us longer than without FOLD). FOLD 1: the tile's 16 rows of resid
+  // and offset + wn, in shared memory (no registers held through the loop); FOLD 2: RMSNorm's factor of the
+  // row, from its tiles' sums of h^2 (up to 16 a lane: K <= 8192), for the warps that store.
+  __shared__ float held[FOLD == 1 ? TW * 32 : 1];
+  if (FOLD == 1 && kr == 0 && slot < TW) {
+    const int row = tile * 16 + (lane & 15);
+    held[slot * 32 + lane] = lane < 16 ? to_f32<true>(resid[row]) : offset + to_f32<true>(wn[row]);
+    __syncwarp();
+  }
+  float r = 1.0f;
+  if (FOLD == 2 && kr == 0) {
+    float total = 0.0f;
+#pragma unroll
+    for (int i = 0; i < (FOLD == 2 ? 16 : 0); ++i) {
+      if (lane + 32 * i < (K >> 4)) total += __ldg(sq + lane + 32 * i);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xFFFFFFFFu, total, o);
+    r = rsqrtf(total / (float)K + eps);
+  }
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int j0 = 0; j0 < n; j0 += DEPTH) {
 #pragma unroll
@@ -354,14 +375,6 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
     }
   }
   if (ASYNC) wait_async<0>();  // no copy may land in shared memory after the block has left it
-  // FOLD 2: the lane's share of the row's sums of h^2 (up to 16 a lane: K <= 8192), read before the warps'
-  // sums meet, added after (not held in registers through the loop)
-  float sqs[FOLD == 2 ? 16 : 1];
-#pragma unroll
-  for (int i = 0; i < (FOLD == 2 ? 16 : 0); ++i) {
-    const int at = lane + 32 * i;
-    sqs[i] = kr == 0 && at < (K >> 4) ? __ldg(sq + at) : 0.0f;
-  }
   if (KW > 1) {  // the slot's other warps hand their sums to warp `slot`, which adds them in order
     __shared__ float red[KW > 1 ? (KW - 1) * SLOTS * 128 : 1];
     if (kr > 0) {
@@ -376,15 +389,6 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
         for (int c = 0; c < 4; ++c) acc[c] += red[((k - 1) * SLOTS + slot) * 128 + c * 32 + lane];
       }
     }
-  }
-  float r = 1.0f;  // FOLD 2: RMSNorm's factor of the row (every lane, for the shuffles; kr 0's is right)
-  if (FOLD == 2) {
-    float total = 0.0f;
-#pragma unroll
-    for (int i = 0; i < (FOLD == 2 ? 16 : 0); ++i) total += sqs[i];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xFFFFFFFFu, total, o);
-    r = rsqrtf(total / (float)K + eps);
   }
   if (GLU) {  // the up warps hand their sums to the gate warps of the same rows
     __shared__ float ups[GLU ? TW * 128 : 1];
@@ -416,10 +420,11 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
       if (SPLIT) {
         static_cast<float*>(y)[((size_t)blockIdx.y * M + m) * N + row] = acc[c];
       } else if (FOLD == 1) {
-        const u16 h = from_f32<true>(to_f32<true>(resid[(size_t)m * N + row]) + round_to<true>(acc[c]));
+        const int at = slot * 32 + g + 8 * (c >> 1);  // M = 1: m is 0
+        const u16 h = from_f32<true>(held[at] + round_to<true>(acc[c]));
         const float hf = to_f32<true>(h);
-        static_cast<u16*>(y)[(size_t)m * N + row] = h;
-        hw[(size_t)m * N + row] = from_f32<true>(hf * (offset + to_f32<true>(wn[row])));
+        static_cast<u16*>(y)[row] = h;
+        hw[row] = from_f32<true>(hf * held[at + 16]);
         squares = fmaf(hf, hf, squares);
       } else {
         static_cast<u16*>(y)[(size_t)m * N + row] = from_f32<true>(FOLD == 2 ? acc[c] * r : acc[c]);
