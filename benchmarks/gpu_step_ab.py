@@ -13,7 +13,9 @@ for several candidates). Steps are timed as `ember bench` times them
 (128-token prompt, 256 tokens, compiled); the table gives each arm's median step, the change, whether the
 arms gave the same greedy tokens (a kernel that rounds differently may not), and whether the tuner picked
 the same block shapes in both (if not, the GEMVs add in other orders, and the tokens of a random-weight model
-may part for that alone).
+may part for that alone; the keys whose picks differ are listed). An arm with no constants (`--arm again`)
+is the working tree's kernels (the baseline's, when they are HEAD's) tuned once more: how far the tuner's
+picks alone move a whole step.
 
     python benchmarks/gpu_step_ab.py --configs int4 int8                    # working tree against HEAD
     python benchmarks/gpu_step_ab.py --baseline HEAD~1 --configs int4       # what the last commit changed
@@ -21,6 +23,7 @@ may part for that alone).
     python benchmarks/gpu_step_ab.py --set ember.quant.cuda_int4.LEAN_OFFERED=False --configs int4
     python benchmarks/gpu_step_ab.py --arm fold ember.quant.cuda_int4.FOLD_NORMS=True \
         --arm hold ember.quant.tuning.PRECEDED_NS=3000 --configs int4 int8   # two flags, one baseline
+    python benchmarks/gpu_step_ab.py --arm again --configs int4             # the tuner's own spread
 
 Both arms launch through the working tree's Python, so a baseline's kernels must take its template arguments
 (the int4 GEMV's gained ASYNC at 964d4f7: older revisions cannot stand in for it), and include
@@ -178,6 +181,11 @@ def main() -> None:
             f"{config}: " + ", ".join(f"{arm} {sorted(round(s, 1) for s in steps[arm])}" for arm in arms),
             flush=True,
         )
+        for arm in list(arms)[1:]:  # where an arm's tuner picked otherwise (a pinned key shows as None)
+            base_picks, picks = arms["baseline"].picks, arms[arm].picks
+            for key in sorted({*base_picks, *picks}, key=str):
+                if base_picks.get(key) != picks.get(key):
+                    print(f"  {arm} picks {key[:-1]}: {base_picks.get(key)} -> {picks.get(key)}", flush=True)
         del gens, model
         torch._dynamo.reset()
         torch.cuda.empty_cache()

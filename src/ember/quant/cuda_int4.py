@@ -89,9 +89,10 @@ ROUNDED_ROWS = False
 # `int4_gemv.cu`: o, and down into the next layer, store h, h times the norm's weight and its tiles' sums of
 # h^2; gate/up, and the next layer's qkv, scale their sums by the norm's factor), with no norm kernel between
 # them (`linear_add_norm`, `normed_linear`; `DecoderLayer.carries_norm`): 63 of Llama-3-8B's 65 norm kernels
-# a step, ~80 us on an H100. GPU tests passed on an H100; the whole int4-g128 step took 1894.8 us against
-# 1949.1 (-2.8%), once FOLD's operands were read before the main loop (read after it, each read's latency was
-# the kernel's tail and the step took 0.7% longer: BENCHMARKS.md, thirty-fourth session).
+# a step, ~80 us on an H100. GPU tests passed on an H100; with every block shape pinned alike, the whole
+# int4-g128 step took 1887-1893 us against 1918 (-1.3% to -1.6%), once FOLD's operands were read before the
+# main loop (read after it, each read's latency was the kernel's tail, and the step took 0.7% longer;
+# BENCHMARKS.md, thirty-fourth session).
 FOLD_NORMS = True
 FOLD_MAX_K = 8192  # the row a FOLD 2 GEMV reads: its tiles' sums, 16 a lane of a warp
 
