@@ -43,3 +43,26 @@ def test_a_pinned_candidate_is_taken_untimed(monkeypatch):
     monkeypatch.setattr(tuning, "PINNED", {key: {"CUDA": (9, 9, 9, False, False)}})  # not a candidate
     assert tuning.pick(key, candidates, lambda c, ws: calls.append(c), (w,)) == candidates[0]
     assert calls == []
+
+
+@pytest.mark.skipif(not _cuda_kernels(), reason="needs a CUDA GPU and NVRTC")
+def test_interleaved_timing_times_each_call_and_keeps_a_failure_in_its_place():
+    dev = torch.device("cuda")
+    short, long = tuning._hold(dev, 10_000), tuning._hold(dev, 30_000)
+
+    def fails(i: int) -> None:
+        raise RuntimeError("a tile that does not fit")
+
+    got = tuning.interleaved_seconds([lambda i: long(), fails, lambda i: short()], 8)
+    assert isinstance(got[1], RuntimeError)
+    assert 8e-6 < got[2] < 16e-6 and 26e-6 < got[0] < 40e-6, got
+
+
+@pytest.mark.skipif(not _cuda_kernels(), reason="needs a CUDA GPU and NVRTC")
+def test_the_interleaved_tuner_picks_the_fastest_candidate_past_a_failing_one(monkeypatch):
+    dev = torch.device("cuda")
+    holds = {30: tuning._hold(dev, 30_000), 10: tuning._hold(dev, 10_000)}
+    monkeypatch.setattr(tuning, "INTERLEAVED", True)
+    monkeypatch.setattr(tuning, "_picked", {})
+    w = torch.zeros(4, device=dev)
+    assert tuning.pick(("test", 1), [30, "no such", 10], lambda c, ws: holds[c](), (w,)) == 10

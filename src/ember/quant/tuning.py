@@ -10,6 +10,8 @@ replays, once per key and process, and remembers the winner. With `PRECEDED_NS`,
 a kernel that holds the GPU that long without memory traffic (`ember/ops/csrc/hold.cu`), as attention and the
 norms precede the step's GEMVs: there a block shape that loads more weights before its wait (programmatic
 dependent launch) hides them under the kernel before, which back-to-back launches of one GEMV never show.
+With `INTERLEAVED`, the candidates' graphs are replayed in turn, round after round, instead of each one's
+replays together, so that a drift of the GPU while they are timed (its clocks, its temperature) falls on all.
 
     config = pick(key, candidates, run, weights)   # run(config, weights) launches one call
 """
@@ -37,6 +39,13 @@ HOLD_SOURCE = Path(__file__).resolve().parents[1] / "ops" / "csrc" / "hold.cu"
 # that is not among the candidates is ignored.
 PINNED: dict[tuple, object] = {}
 
+# Whether `pick` replays the candidates in turn, round after round (else each candidate's replays back to back).
+# The first arm a process tuned picked a gate/up block shape that made the whole int4 step ~3% slower than the
+# one every later arm picked, in all four A/Bs of one session (H100, BENCHMARKS.md, thirty-fourth session):
+# the timings of near-equal candidates drift. Not yet run on a GPU: off until its GPU test passes and the
+# picks of fresh processes agree with it.
+INTERLEAVED = False
+
 _picked: dict[tuple, object] = {}
 
 
@@ -59,26 +68,63 @@ def pick(key: tuple, candidates: Sequence, run: Callable, weights: tuple[torch.T
     if len(candidates) == 1 or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return candidates[0]
     copies = _weight_copies(weights)
-    before = _hold(device, PRECEDED_NS)
+    calls = [lambda i, c=candidate: run(c, copies[i % len(copies)]) for candidate in candidates]
+    timed = (interleaved_seconds if INTERLEAVED else _one_by_one)(
+        calls, max(len(copies), MIN_LAUNCHES), before=_hold(device, PRECEDED_NS)
+    )
     best, best_s, error = None, math.inf, None
-    for candidate in candidates:
-        try:
-            s = graph_seconds(
-                lambda i, c=candidate: run(c, copies[i % len(copies)]),
-                max(len(copies), MIN_LAUNCHES),
-                before=before,
-            )
-        except Exception as e:  # e.g. a tile that needs more shared memory than this GPU has
-            log.debug("GEMV candidate %s for %s failed: %s", candidate, key, e)
-            error = e
-            continue
-        if s < best_s:
+    for candidate, s in zip(candidates, timed, strict=True):
+        if isinstance(s, Exception):  # e.g. a tile that needs more shared memory than this GPU has
+            log.debug("GEMV candidate %s for %s failed: %s", candidate, key, s)
+            error = s
+        elif s < best_s:
             best, best_s = candidate, s
     if best is None:
         raise error
-    log.debug("GEMV %s: %s (%.1f us)", key, best, best_s * 1e6)
+    log.debug("GEMV %s: %s (%.1f us; all: %s)", key, best, best_s * 1e6, _us(timed))
     _picked[key] = best
     return best
+
+
+def _us(timed: list) -> str:
+    return ", ".join("failed" if isinstance(s, Exception) else f"{s * 1e6:.2f}" for s in timed)
+
+
+def _one_by_one(
+    calls: list[Callable[[int], None]], launches: int, before: Callable[[], None] | None = None
+) -> list[float | Exception]:
+    """`graph_seconds` of each call in turn (an exception in its place where one fails)."""
+    out: list[float | Exception] = []
+    for call in calls:
+        try:
+            out.append(graph_seconds(call, launches, before=before))
+        except Exception as e:
+            out.append(e)
+    return out
+
+
+def interleaved_seconds(
+    calls: list[Callable[[int], None]],
+    launches: int,
+    replays: int = REPLAYS,
+    before: Callable[[], None] | None = None,
+) -> list[float | Exception]:
+    """Seconds per call of each of `calls` as `graph_seconds` times one, but with every call's graph captured
+    first and then replayed in turn, `replays` rounds (each round starting one call further on), so that what
+    drifts while they are timed falls on all of them alike. An exception in place of a call that failed."""
+    graphs: list[torch.cuda.CUDAGraph | Exception] = []
+    for call in calls:
+        try:
+            graphs.append(_captured(call, launches, before))
+        except Exception as e:
+            graphs.append(e)
+    live = [i for i, g in enumerate(graphs) if not isinstance(g, Exception)]
+    times: dict[int, list[float]] = {i: [] for i in live}
+    for r in range(replays if live else 0):
+        turn = r % len(live)
+        for i in live[turn:] + live[:turn]:
+            times[i].append(_replay_seconds(graphs[i], launches))
+    return [g if isinstance(g, Exception) else sorted(times[i])[replays // 2] for i, g in enumerate(graphs)]
 
 
 def _weight_copies(weights: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
@@ -113,6 +159,15 @@ def graph_seconds(
     """Seconds per call of call(i), i < launches, captured in one CUDA graph; median of `replays` replays.
     before: launched ahead of each call (its time is counted: the same for every candidate).
     (`benchmarks/gpu_gemv.py` times its sweeps with it too.)"""
+    graph = _captured(call, launches, before)
+    times = [_replay_seconds(graph, launches) for _ in range(replays)]
+    return sorted(times)[len(times) // 2]
+
+
+def _captured(
+    call: Callable[[int], None], launches: int, before: Callable[[], None] | None
+) -> torch.cuda.CUDAGraph:
+    """call(i) for i < launches (each behind `before`) in one CUDA graph, built, captured and replayed once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -127,12 +182,14 @@ def graph_seconds(
                 before()
             call(i)
     graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / launches)
-    return sorted(times)[len(times) // 2]
+    return graph
+
+
+def _replay_seconds(graph: torch.cuda.CUDAGraph, launches: int) -> float:
+    """One replay of `graph`, in seconds per launch of its call."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / launches
