@@ -1,5 +1,6 @@
 """ember.quant.tuning off CUDA: the first candidate, without timing anything (its timing needs a GPU; the
-H200 runs are in BENCHMARKS.md), and on a GPU the kernel the tuner may time candidates behind."""
+H200 runs are in BENCHMARKS.md); on a GPU the kernel the tuner may time candidates behind, and its ways of
+timing them (interleaved, queued)."""
 
 import pytest
 import torch
@@ -33,6 +34,19 @@ def test_the_hold_kernel_holds_the_gpu_before_each_timed_call():
     assert 15e-6 < held - plain < 60e-6, (plain, held)
 
 
+@pytest.mark.skipif(not _cuda_kernels(), reason="needs a CUDA GPU and NVRTC")
+def test_queued_replays_leave_out_the_hosts_time_to_queue_them(monkeypatch):
+    # A graph of 64 tiny launches: waited for one by one, each replay's time holds the host's queueing of the
+    # graph after its start event; queued behind a sleep, only the GPU's (the launches back to back).
+    dev = torch.device("cuda")
+    x = torch.zeros(16, device=dev)
+    times = {}
+    for queued in (False, True):
+        monkeypatch.setattr(tuning, "QUEUED", queued)
+        times[queued] = tuning.graph_seconds(lambda i: x.add_(1), 64, replays=9)
+    assert times[True] < times[False], times
+
+
 def test_a_pinned_candidate_is_taken_untimed(monkeypatch):
     calls = []
     w = torch.zeros(4, 8)
@@ -46,7 +60,10 @@ def test_a_pinned_candidate_is_taken_untimed(monkeypatch):
 
 
 @pytest.mark.skipif(not _cuda_kernels(), reason="needs a CUDA GPU and NVRTC")
-def test_interleaved_timing_times_each_call_and_keeps_a_failure_in_its_place():
+@pytest.mark.parametrize("queued", [False, True])
+def test_interleaved_timing_times_each_call_and_keeps_a_failure_in_its_place(queued, monkeypatch):
+    # QUEUED: the replays queued behind a GPU sleep and waited for once; the same times, without the host's
+    monkeypatch.setattr(tuning, "QUEUED", queued)
     dev = torch.device("cuda")
     short, long = tuning._hold(dev, 10_000), tuning._hold(dev, 30_000)
 
@@ -59,10 +76,12 @@ def test_interleaved_timing_times_each_call_and_keeps_a_failure_in_its_place():
 
 
 @pytest.mark.skipif(not _cuda_kernels(), reason="needs a CUDA GPU and NVRTC")
-def test_the_interleaved_tuner_picks_the_fastest_candidate_past_a_failing_one(monkeypatch):
+@pytest.mark.parametrize("interleaved, queued", [(True, False), (False, True), (True, True)])
+def test_the_tuner_picks_the_fastest_candidate_past_a_failing_one(interleaved, queued, monkeypatch):
     dev = torch.device("cuda")
     holds = {30: tuning._hold(dev, 30_000), 10: tuning._hold(dev, 10_000)}
-    monkeypatch.setattr(tuning, "INTERLEAVED", True)
+    monkeypatch.setattr(tuning, "INTERLEAVED", interleaved)
+    monkeypatch.setattr(tuning, "QUEUED", queued)
     monkeypatch.setattr(tuning, "_picked", {})
     w = torch.zeros(4, device=dev)
     assert tuning.pick(("test", 1), [30, "no such", 10], lambda c, ws: holds[c](), (w,)) == 10

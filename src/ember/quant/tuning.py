@@ -11,7 +11,9 @@ a kernel that holds the GPU that long without memory traffic (`ember/ops/csrc/ho
 norms precede the step's GEMVs: there a block shape that loads more weights before its wait (programmatic
 dependent launch) hides them under the kernel before, which back-to-back launches of one GEMV never show.
 With `INTERLEAVED`, the candidates' graphs are replayed in turn, round after round, instead of each one's
-replays together, so that a drift of the GPU while they are timed (its clocks, its temperature) falls on all.
+replays together, so that a drift of the GPU while they are timed (its clocks, its temperature) falls on all;
+with `QUEUED`, the timed replays are queued behind a GPU sleep and waited for once, so that none starts on an
+idle GPU and counts the host's time to queue it.
 
     config = pick(key, candidates, run, weights)   # run(config, weights) launches one call
 """
@@ -45,6 +47,13 @@ PINNED: dict[tuple, object] = {}
 # the timings of near-equal candidates drift. Not yet run on a GPU: off until its GPU test passes and the
 # picks of fresh processes agree with it.
 INTERLEAVED = False
+# Whether the timed replays are queued behind a GPU sleep and waited for once (else each replay is waited for
+# before the next is queued). Waited for one by one, each replay starts on an idle GPU, and its time holds
+# however long the host took to queue the graph after the start event: a few to tens of microseconds against
+# graphs of 50-500, more while other threads or processes (inductor's compile workers) share the host. Not
+# yet run on a GPU: off until its GPU test passes and the picks of fresh processes agree with it.
+QUEUED = False
+SLEEP_CYCLES = 1_000_000  # ~0.5 ms at 2 GHz: the host queues the replays behind it
 
 _picked: dict[tuple, object] = {}
 
@@ -119,11 +128,10 @@ def interleaved_seconds(
         except Exception as e:
             graphs.append(e)
     live = [i for i, g in enumerate(graphs) if not isinstance(g, Exception)]
+    order = [i for r in range(replays if live else 0) for i in live[r % len(live) :] + live[: r % len(live)]]
     times: dict[int, list[float]] = {i: [] for i in live}
-    for r in range(replays if live else 0):
-        turn = r % len(live)
-        for i in live[turn:] + live[:turn]:
-            times[i].append(_replay_seconds(graphs[i], launches))
+    for i, s in zip(order, _timed_replays([graphs[i] for i in order], launches), strict=True):
+        times[i].append(s)
     return [g if isinstance(g, Exception) else sorted(times[i])[replays // 2] for i, g in enumerate(graphs)]
 
 
@@ -160,7 +168,7 @@ def graph_seconds(
     before: launched ahead of each call (its time is counted: the same for every candidate).
     (`benchmarks/gpu_gemv.py` times its sweeps with it too.)"""
     graph = _captured(call, launches, before)
-    times = [_replay_seconds(graph, launches) for _ in range(replays)]
+    times = _timed_replays([graph] * replays, launches)
     return sorted(times)[len(times) // 2]
 
 
@@ -185,11 +193,18 @@ def _captured(
     return graph
 
 
-def _replay_seconds(graph: torch.cuda.CUDAGraph, launches: int) -> float:
-    """One replay of `graph`, in seconds per launch of its call."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / launches
+def _timed_replays(graphs: list[torch.cuda.CUDAGraph], launches: int) -> list[float]:
+    """Each of `graphs` replayed in order (one graph may come several times), in seconds per launch of its
+    call: waited for one by one, or with `QUEUED` all queued behind a GPU sleep and waited for once."""
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in graphs]
+    if QUEUED:
+        torch.cuda._sleep(SLEEP_CYCLES)
+    for graph, (start, end) in zip(graphs, events, strict=True):
+        start.record()
+        graph.replay()
+        end.record()
+        if not QUEUED:
+            end.synchronize()
+    if events:
+        events[-1][1].synchronize()
+    return [start.elapsed_time(end) / 1e3 / launches for start, end in events]
