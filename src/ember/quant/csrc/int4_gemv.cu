@@ -206,6 +206,10 @@ __device__ __forceinline__ void step(uint4 w, const uint4 (&x)[2], float (&C)[4]
 // wn) in bf16 (the norm's weight applied, not its factor) and each tile's sum of h^2 (sq, N / 16 floats); 2,
 // the projection after it, takes hw as x and sq, and scales its sums by RMSNorm's factor of the row,
 // rsqrt(sum(sq) / K + eps), before it stores them (with GLU, before the activation).
+#ifndef STAMP  // points of a block's path that `benchmarks/gpu_attention_stamps.py --o-proj` times (nothing here)
+#define STAMP(point)
+#endif
+
 template <int GS, int TW, int KW, int DEPTH, bool LEAN, bool SPLIT, bool GLU, bool ASYNC, int A8, int FOLD>
 __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * (GLU ? 2 : 1) * KW * 32, LEAN))
     int4_mma_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u32* __restrict__ sz,
@@ -219,6 +223,7 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
   constexpr int SLOTS = TW * (GLU ? 2 : 1);
   constexpr int WARPS = SLOTS * KW;
   pdl_launch_dependents();
+  STAMP(0);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, q = lane & 3;
   const int T = N >> 4, steps = K >> 6, G = steps / GS;
@@ -260,6 +265,7 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
     }
   }
   pdl_wait();
+  STAMP(1);
   // A8: the row rounded to int8 (K bytes), then each block of 32's scale and sum (K / 32 floats each): with
   // A8 1 rounded here into shared memory, with A8 2 what x points at (`ember.quant.cuda_int4.round_row`).
   extern __shared__ __align__(16) unsigned char shared_row[];
@@ -365,6 +371,7 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
           }
         }
         if (ASYNC) commit_async();  // one group a group, empty past the run's end
+        if (j == 0) STAMP(2);
 #pragma unroll
         for (int s = 0; s < GS; ++s) {
           xc[s][0] = xn[s][0];
@@ -375,6 +382,7 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
     }
   }
   if (ASYNC) wait_async<0>();  // no copy may land in shared memory after the block has left it
+  STAMP(3);
   if (KW > 1) {  // the slot's other warps hand their sums to warp `slot`, which adds them in order
     __shared__ float red[KW > 1 ? (KW - 1) * SLOTS * 128 : 1];
     if (kr > 0) {
@@ -390,6 +398,7 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
       }
     }
   }
+  STAMP(4);
   if (GLU) {  // the up warps hand their sums to the gate warps of the same rows
     __shared__ float ups[GLU ? TW * 128 : 1];
     if (kr == 0 && up) {
@@ -436,4 +445,5 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
     for (int o = 4; o < 32; o <<= 1) squares += __shfl_xor_sync(0xFFFFFFFFu, squares, o);
     if (lane == 0) sq[tile] = squares;
   }
+  STAMP(5);
 }
