@@ -15,7 +15,9 @@ arms gave the same greedy tokens (a kernel that rounds differently may not), and
 the same block shapes in both (if not, the GEMVs add in other orders, and the tokens of a random-weight model
 may part for that alone; the keys whose picks differ are listed). An arm with no constants (`--arm again`)
 is the working tree's kernels (the baseline's, when they are HEAD's) tuned once more: how far the tuner's
-picks alone move a whole step.
+picks alone move a whole step (~3% for int4 on an H100). `--share-picks` pins every arm's GEMVs to the
+baseline's picks where those are among the arm's candidates, so that the arms differ in their kernels only
+(not for arms that change the tuner itself).
 
     python benchmarks/gpu_step_ab.py --configs int4 int8                    # working tree against HEAD
     python benchmarks/gpu_step_ab.py --baseline HEAD~1 --configs int4       # what the last commit changed
@@ -24,6 +26,7 @@ picks alone move a whole step.
     python benchmarks/gpu_step_ab.py --arm fold ember.quant.cuda_int4.FOLD_NORMS=True \
         --arm hold ember.quant.tuning.PRECEDED_NS=3000 --configs int4 int8   # two flags, one baseline
     python benchmarks/gpu_step_ab.py --arm again --configs int4             # the tuner's own spread
+    python benchmarks/gpu_step_ab.py --share-picks --int4 /tmp/candidate.cu --configs int4   # kernels only
 
 Both arms launch through the working tree's Python, so a baseline's kernels must take its template arguments
 (the int4 GEMV's gained ASYNC at 964d4f7: older revisions cannot stand in for it), and include
@@ -73,6 +76,7 @@ class Arm:
 
     def __init__(self, sources: dict[str, Path], settings: dict[str, object]) -> None:
         self.sources, self.settings, self.picks = sources, settings, {}
+        self.share: Arm | None = None  # --share-picks: the arm whose picks this one takes where it can
 
     def use(self) -> None:
         from ember.quant import tuning
@@ -83,6 +87,10 @@ class Arm:
             module, _, attr = name.rpartition(".")
             setattr(importlib.import_module(module), attr, value)
         tuning._picked = self.picks
+        if (
+            self.share is not None
+        ):  # pinned: taken where they are among this arm's candidates (own pins first)
+            tuning.PINNED = {**{key[:-1]: v for key, v in self.share.picks.items()}, **tuning.PINNED}
 
 
 def parse_settings(pairs: list[str]) -> tuple[dict[str, object], dict[str, object]]:
@@ -121,6 +129,11 @@ def main() -> None:
         help="one more arm: the working tree's kernels with these constants",
     )
     ap.add_argument("--runs", type=int, default=7, help="timed runs an arm (after 2 warm-ups)")
+    ap.add_argument(
+        "--share-picks",
+        action="store_true",
+        help="every arm takes the baseline's block shapes where they are among its candidates",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gpu_step_ab.py needs a CUDA GPU")
@@ -142,6 +155,12 @@ def main() -> None:
         arms[name] = Arm(working, extra_settings)
         for key, value in extra_originals.items():  # the baseline sets back whatever an arm changes
             arms["baseline"].settings.setdefault(key, value)
+    if args.share_picks:  # each arm's `use` sets PINNED afresh
+        from ember.quant import tuning
+
+        arms["baseline"].settings.setdefault("ember.quant.tuning.PINNED", tuning.PINNED)
+        for arm in list(arms.values())[1:]:
+            arm.share = arms["baseline"]
     for arm in arms.values():  # every arm sets every constant any arm changes (the others' as they were)
         for key, value in arms["baseline"].settings.items():
             arm.settings.setdefault(key, value)
@@ -165,6 +184,9 @@ def main() -> None:
             gens[arm] = Generator(model, device=dev, context=384, compile=True)
             for _ in range(2):  # the first captures the decode graph with this arm's kernels
                 tokens[arm] = [s.token_id for s in gens[arm].generate(prompt, params, (), None)]
+            if arms[arm].share is not None:  # the shared picks, as if tuned: only the arm's own ones differ
+                for key, value in arms[arm].share.picks.items():
+                    arms[arm].picks.setdefault(key, value)
         for r in range(args.runs):
             for arm in list(arms)[:: 1 if r % 2 else -1]:
                 arms[arm].use()  # the prefill runs outside the graph
