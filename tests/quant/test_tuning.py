@@ -85,3 +85,31 @@ def test_the_tuner_picks_the_fastest_candidate_past_a_failing_one(interleaved, q
     monkeypatch.setattr(tuning, "_picked", {})
     w = torch.zeros(4, device=dev)
     assert tuning.pick(("test", 1), [30, "no such", 10], lambda c, ws: holds[c](), (w,)) == 10
+
+
+def test_interleaved_timing_maps_each_rounds_times_back_to_its_call(monkeypatch):
+    # The bookkeeping of `interleaved_seconds` off a GPU: graphs stand in as numbers (in the order built), every round
+    # replays the live ones starting one further on, and each call gets the median of its own replays.
+    captured, order = [], []
+
+    def capture(call, launches, before):
+        call(0)  # a failing call raises here, as a candidate that cannot build does
+        captured.append(call)
+        return len(captured) - 1
+
+    def replays(graphs, launches):
+        order.append(list(graphs))
+        return [1e-6 * (10 * g + r % 3) for r, g in enumerate(graphs)]
+
+    monkeypatch.setattr(tuning, "_captured", capture)
+    monkeypatch.setattr(tuning, "_timed_replays", replays)
+
+    def fails(i):
+        raise RuntimeError("a tile that does not fit")
+
+    got = tuning.interleaved_seconds([lambda i: None, fails, lambda i: None, lambda i: None], 4, replays=3)
+    # calls 0, 2, 3 built graphs 0, 1, 2; three rounds of them, each starting one further on, queued at once
+    assert order == [[0, 1, 2, 1, 2, 0, 2, 0, 1]]
+    assert isinstance(got[1], RuntimeError)
+    # graph g's replays at places p of the queue took 10 g + p % 3 us: medians 1, 11, 21
+    assert [round(got[i] * 1e6, 6) for i in (0, 2, 3)] == [1.0, 11.0, 21.0]
