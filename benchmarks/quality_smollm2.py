@@ -62,9 +62,11 @@ def as_cuda_gemvs(model: torch.nn.Module, carried: bool) -> torch.nn.Module:
     """`model` (int4, groups of 64 or more) with its int4 projections run as on a GPU's decode rows: the CUDA
     int4 GEMV's layout and ops (their twins off CUDA), and with `carried`, the norms carried across them (in
     place)."""
+    from ember.models import decoder
     from ember.quant import kernels
     from ember.quant.linear import Int4WeightOnlyLinear
 
+    decoder.on_gpu = lambda x: True  # the layers ask whether they carry, as for a GPU's rows
     for module in model.modules():
         if isinstance(module, Int4WeightOnlyLinear):
             module._kernel, module._whole_rows = "mma", True

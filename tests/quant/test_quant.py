@@ -292,6 +292,7 @@ def test_a_decode_step_with_norms_and_adds_folded_into_int8_projections_is_the_s
     from ember.models import decoder
     from ember.quant.linear import Int8WeightOnlyLinear
 
+    monkeypatch.setattr(decoder, "on_gpu", lambda x: True)  # the CPU rows asked as a GPU's are
     torch.manual_seed(0)
     model = random_model("tiny", device="cpu", dtype=torch.float32, quantize="int8")
     for layer in model.model.layers:  # norms that do more than pass their input through
@@ -348,9 +349,11 @@ def test_a_decode_step_with_int4_rows_rounded_by_the_norms_is_the_same_step(monk
     # checked is the plumbing: which norm's row each projection gets, the first layer's, SwiGLU, and that a
     # prompt's rows are never rounded.
     from ember.engine.kv_cache import StaticKVCache
+    from ember.models import decoder
     from ember.quant import cuda_int4, kernels
     from ember.quant.linear import Int4WeightOnlyLinear
 
+    monkeypatch.setattr(decoder, "on_gpu", lambda x: True)  # the CPU rows asked as a GPU's are
     model = int4_model_in_cuda_layout(torch.bfloat16)
     takers = {id(layer.self_attn.qkv_proj) for layer in model.model.layers}
     takers |= {id(layer.mlp.gate_up_proj) for layer in model.model.layers}
@@ -408,9 +411,11 @@ def test_a_decode_step_with_norms_carried_across_int4_projections_is_the_same_st
     # float32: no rounding between the two forms), so what is checked is the plumbing: which residual, which
     # norm, across layers, the first layer's and the final norm, and that a prompt's rows are never carried.
     from ember.engine.kv_cache import StaticKVCache
+    from ember.models import decoder
     from ember.quant import cuda_int4, kernels
     from ember.quant.linear import Int4WeightOnlyLinear
 
+    monkeypatch.setattr(decoder, "on_gpu", lambda x: True)  # the CPU rows asked as a GPU's are
     model = int4_model_in_cuda_layout(torch.float32)
     cfg = model.config
     tokens = torch.randint(0, cfg.vocab_size, (1, 6))

@@ -77,6 +77,13 @@ ACTIVATIONS = {
 FOLD_NORMS = True
 
 
+def on_gpu(x: torch.Tensor) -> bool:
+    """Whether a pre-norm layer asks if its rows x may run its folded, carried or rounded forms (`DecoderLayer.
+    folds`, `carries_norm`, `rounds`), all of them CUDA GEMVs': on a CPU their checks are ~0.8 ms of a 6.7 ms
+    SmolLM2 int4 eager step, answered no. (The CPU tests of their plumbing say yes here.)"""
+    return x.is_cuda
+
+
 def streamed_weight(linear: nn.Module) -> torch.Tensor | None:
     """The largest tensor a projection reads for one row: a quantized one's codes, else its weight."""
     if hasattr(linear, "streamed_weight"):
@@ -341,13 +348,16 @@ class DecoderLayer(nn.Module):
         norm, where that layer carries its norms too) the result is (the whole stream, next_norm's row)."""
         cos, sin = rope
         m = self.residual_multiplier
-        if self.folds(x):  # each add and norm inside a GEMV: the stream comes out whole
+        gpu = on_gpu(x)  # the folded, carried and rounded forms are CUDA rows' (a CPU step asks none of them)
+        if gpu and self.folds(x):  # each add and norm inside a GEMV: the stream comes out whole
             if delta is not None:
                 x = x + (delta.total(x.dtype) if isinstance(delta, SplitSum) else delta)
             h = self.self_attn(x, cos, sin, cache, norm=self.input_layernorm)
             return self.mlp(h, norm=self.post_attention_layernorm), None
         split = split and m == 1.0  # a scaled branch is summed first
-        if self.carries_norm(x):  # each norm carried across the GEMVs either side of it (the first: a kernel)
+        if gpu and self.carries_norm(
+            x
+        ):  # each norm carried across the GEMVs either side (the first: a kernel)
             if isinstance(delta, NormedRow):
                 h, n, row = x, x, delta
             else:
@@ -362,7 +372,7 @@ class DecoderLayer(nn.Module):
             if next_norm is None:  # the stream's last add is the norm's after this layer
                 return h, self.mlp(h, split, normed=normed)
             return self.mlp(h, normed=normed, next_norm=next_norm)
-        if self.rounds(x):  # the norms hand qkv and gate/up their rows rounded to int8 as well
+        if gpu and self.rounds(x):  # the norms hand qkv and gate/up their rows rounded to int8 as well
             h, n, r = self.input_layernorm.add_forward(
                 x, torch.zeros_like(x) if delta is None else delta, True
             )
@@ -491,7 +501,11 @@ class Decoder(nn.Module):
             delta = None
             layers = self.model.layers
             # a layer that carries its norms hands the next one its input norm's row, where that one does
-            carries = [layer.carries_norm(h) for layer in layers] + [False] if cuda_int4.FOLD_NORMS else None
+            carries = (
+                [layer.carries_norm(h) for layer in layers] + [False]
+                if cuda_int4.FOLD_NORMS and on_gpu(h)
+                else None
+            )
             for i, layer in enumerate(layers):
                 carried = carries is not None and carries[i] and carries[i + 1]
                 h, delta = layer.forward_pre(
