@@ -25,7 +25,7 @@ from ember.config import ModelConfig
 from ember.ops import cpu_ext
 from ember.ops.attention import causal_mask, grouped_decode_attention, sdpa_attention
 from ember.ops.decode_attention import decode_attention as cuda_decode_attention
-from ember.ops.rope import apply_rope
+from ember.ops.rope import apply_rope_qk
 
 
 class StaticKVCache:
@@ -50,6 +50,7 @@ class StaticKVCache:
         )
         self._slots = torch.arange(max_seq_len, device=device)[None]  # (1, S)
         self._positions: torch.Tensor | None = None
+        self._rows: torch.Tensor | None = None  # (B, 1) row indices of the positions given to `begin`
         self._masks: dict[int | None, torch.Tensor] = {}
         self._cpu_attention = torch.device(device).type == "cpu" and cpu_ext.available()
 
@@ -68,6 +69,7 @@ class StaticKVCache:
         """Called once per forward with positions (B, T): builds each window's mask once for all layers (a
         prompt from slot 0 needs one only where a window hides part of it; see `prompts_from_start`)."""
         self._positions = positions
+        self._rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         T = positions.shape[1]
         if self._whole_prompt(T):
             slots = self._slots[:, :T]
@@ -119,8 +121,8 @@ class StaticKVCache:
                 ahead,
             )  # (B, H, D)
             return out.unsqueeze(1)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        rows = torch.arange(B, device=q.device)[:, None]  # (B, 1)
+        q, k = apply_rope_qk(q, k, *rope)
+        rows = self._rows
         self.k[layer][rows, :, pos] = k  # k (B, T, K, D) lands at cache[b, :, pos[b, t]]
         self.v[layer][rows, :, pos] = v
         if T == 1 and softcap is None and self._cpu_attention:

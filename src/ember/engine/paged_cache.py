@@ -21,7 +21,7 @@ import torch
 from ember.config import ModelConfig
 from ember.ops import cpu_ext
 from ember.ops.attention import causal_mask, sdpa_attention
-from ember.ops.rope import apply_rope
+from ember.ops.rope import apply_rope_qk
 
 
 @dataclass
@@ -118,7 +118,7 @@ class PagedKVCache:
         `StaticKVCache.attend`'s L2 hint, which these kernels do not take."""
         b = self.batch
         assert b is not None
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k = apply_rope_qk(q, k, *rope)
         k_pool, v_pool = self.k[layer], self.v[layer]
         k_pool[b.slot_mapping] = k[0]
         v_pool[b.slot_mapping] = v[0]

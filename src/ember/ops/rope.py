@@ -193,6 +193,15 @@ def _(positions, inv_freq, factor):
     return rope_tables_reference(positions, inv_freq, factor)
 
 
+def apply_rope_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`apply_rope` of q (B, T, H, D) and k (B, T, K, D) as one tensor: the same values, with half the ops (an
+    eager CPU decode step pays ~1 us an op, 30 layers a step)."""
+    qk = apply_rope(torch.cat((q, k), dim=2), cos, sin)
+    return qk[:, :, : q.shape[2]], qk[:, :, q.shape[2] :]
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotates x (B, T, H, D) with the half-split convention of Hugging Face checkpoints.
 
