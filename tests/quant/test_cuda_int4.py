@@ -410,7 +410,14 @@ def test_a_carried_step_waiting_on_counts_is_the_same_step(monkeypatch):
     # SPIN_BOUNDARIES: each GEMV after a carried norm waits for the tiles the one before it counted (FOLD 3),
     # not for that kernel's end; the same sums, so the same logits bit for bit, and every slot back to 0.
     monkeypatch.setattr(cuda_int4, "FOLD_NORMS", True)
+    counted, gemv = [], cuda_int4.gemv
+    monkeypatch.setattr(
+        cuda_int4,
+        "gemv",
+        lambda *a, count=None, **k: counted.append(count is not None) or gemv(*a, count=count, **k),
+    )
     off, on, calls, layers = decode_steps_with_and_without("SPIN_BOUNDARIES", "normed_forward", monkeypatch)
     assert calls == 2 * (2 * layers - 1)  # gate/up in every layer, qkv from the one before: once an arm
+    assert counted.count(True) == 2 * (2 * layers - 1)  # with it on: each carried pair, both sides counted
     assert torch.equal(on, off)
     assert not cuda_int4._count_buffers[torch.device("cuda", 0)].any()

@@ -355,9 +355,8 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(x, cos, sin, cache, norm=self.input_layernorm)
             return self.mlp(h, norm=self.post_attention_layernorm), None
         split = split and m == 1.0  # a scaled branch is summed first
-        if gpu and self.carries_norm(
-            x
-        ):  # each norm carried across the GEMVs either side (the first: a kernel)
+        # each norm carried across the GEMVs either side of it (the first: a kernel)
+        if gpu and self.carries_norm(x):
             if isinstance(delta, NormedRow):
                 h, n, row = x, x, delta
             else:

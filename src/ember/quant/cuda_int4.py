@@ -98,8 +98,8 @@ FOLD_NORMS = True
 FOLD_MAX_K = 8192  # the row a FOLD 2 GEMV reads: its tiles' sums, 16 a lane of a warp
 # Whether the GEMV after a carried norm waits for the one before it by a count of the tiles that one has
 # stored (FOLD 3: each of its warps adds 1 after its stores; the GEMV after goes on at K / 16, in a slot of
-# counts: `count_slot`), not for the whole grid before it to finish (griddepcontrol.wait): what a kernel boundary costs
-# beyond the work is then one poll of L2. Each pair (o into gate/up, down into the next qkv) has its own slot,
+# counts: `count_slot`), not for the whole grid before it to finish (griddepcontrol.wait): what a kernel
+# boundary costs beyond the work is then one poll of L2. Each pair (o into gate/up, down into the next qkv) has its own slot,
 # its projection's (`Int4WeightOnlyLinear`), and the GEMV after it sets the slot back to 0: so one decode step
 # of a model at a time (as Ember's engines run them). Not yet run on a GPU: off until its GPU tests pass and a
 # whole step gains.
@@ -320,9 +320,7 @@ def gemv(
     tw, kw = config[:2]
     grid = (-(-(N // 16) // tw), split)
     mode = 0 if fold is None else fold[0]
-    counted = (
-        (sz, 0) if count is None else (count, 1)
-    )  # FOLD 1's `done` and `signal`; unread but by FOLD 1, 3
+    counted = (sz, 0) if count is None else (count, 1)  # `done`, `signal`: read by FOLD 1 and 3 only
     if mode == 1:
         _, resid, hw, sq, weight, offset = fold
         args = (x, words, sz, y, N, K, M, resid, hw, sq, weight, float(offset), 0.0, *counted)

@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 L2_SPILL = 4  # copies of the weights add up to this many times the L2 (or the weights alone already do)
 MIN_LAUNCHES = 16  # per graph: amortizes the graph launch and the first kernel's ramp
 REPLAYS = 5
-# Nanoseconds of the kernel before each timed launch (0: none, the GEMV's launches back to back). Not yet run
-# on a GPU; to be set by whole-step A/B (`benchmarks/gpu_step_ab.py --set ember.quant.tuning.PRECEDED_NS=...`).
+# Nanoseconds of the kernel before each timed launch (0: none, the GEMV's launches back to back). Its GPU test
+# passed on an H100; at 3000 the int4-g128 step moved +0.05% (FOLD_NORMS off), and 0.3-0.5% against an arm
+# tuned again without it (BENCHMARKS.md, thirty-fourth session): within the tuner's own spread, so 0.
 PRECEDED_NS = 0
 HOLD_SOURCE = Path(__file__).resolve().parents[1] / "ops" / "csrc" / "hold.cu"
 # Picks fixed by hand, key (as `pick` is given it) -> candidate, for timing block shapes in whole steps
