@@ -364,60 +364,9 @@ def test_the_carried_norm_kernels_against_their_twins(group, monkeypatch):
 
 
 @needs_cuda
-def test_the_counted_wait_in_every_block_shape(monkeypatch):
-    # FOLD 3 (SPIN_BOUNDARIES): each block shape of the projection after the norm, plain and gate/up, waiting on
-    # a slot for the tiles the projection before it counts there; its output is FOLD 2's bit for bit, and it
-    # leaves the slot at 0.
-    from ember.quant import kernels, tuning
-
-    monkeypatch.setattr(cuda_int4, "FOLD_NORMS", True)
-    dev = torch.device("cuda")
-    torch.manual_seed(3)
-    E, inner, group = 1024, 1536, 128
-    o_words, o_sz, _ = quantized(E, E, group, dev)
-    gu_words, gu_sz, _ = quantized(2 * inner, E, group, dev)
-    x = torch.randn(1, E, device=dev).bfloat16()
-    resid = (torch.randn(1, E, device=dev) * 4).bfloat16()
-    weight = (torch.rand(E, device=dev) + 0.5).bfloat16()
-    slot = cuda_int4.next_count_slot()
-    for glu in (False, True):
-        key = ("int4_fold_after", 2 * inner, E, group, glu)
-        for config in cuda_int4.configs(group, E // group, 1, glu=glu):
-            monkeypatch.setattr(tuning, "PINNED", {key: config})
-            monkeypatch.setattr(cuda_int4, "SPIN_BOUNDARIES", False)
-            h, hw, sq = cuda_int4.linear_add_norm(x, o_words, o_sz, group, resid, weight, 0.0)
-            want = cuda_int4.normed_linear(hw, sq, 1e-5, gu_words, gu_sz, group, glu)
-            monkeypatch.setattr(cuda_int4, "SPIN_BOUNDARIES", True)
-            h, hw, sq = cuda_int4.linear_add_norm(x, o_words, o_sz, group, resid, weight, 0.0, slot)
-            y = cuda_int4.normed_linear(hw, sq, 1e-5, gu_words, gu_sz, group, glu, slot)
-            assert torch.equal(y, want), (glu, config)
-            assert not cuda_int4.count_slot(slot, dev).any(), (glu, config)
-    ref = kernels.int4_mma_normed_linear_reference(hw, sq, 1e-5, gu_words, gu_sz, group, True)
-    assert rel_err(y, ref) < 1e-2
-
-
-@needs_cuda
 def test_an_int4_decode_step_with_norms_carried_across_the_gemvs(monkeypatch):
     # FOLD_NORMS on a CUDA decode step: no norm kernel but the first layer's input norm and the final one, and
     # the step's logits within the activations' rounding of the step without it.
     off, on, calls, layers = decode_steps_with_and_without("FOLD_NORMS", "linear_add_norm", monkeypatch)
     assert calls == 2 * layers - 1  # o in every layer, down into the next one
     assert 0 < rel_err(on, off) < 3e-2
-
-
-@needs_cuda
-def test_a_carried_step_waiting_on_counts_is_the_same_step(monkeypatch):
-    # SPIN_BOUNDARIES: each GEMV after a carried norm waits for the tiles the one before it counted (FOLD 3),
-    # not for that kernel's end; the same sums, so the same logits bit for bit, and every slot back to 0.
-    monkeypatch.setattr(cuda_int4, "FOLD_NORMS", True)
-    counted, gemv = [], cuda_int4.gemv
-    monkeypatch.setattr(
-        cuda_int4,
-        "gemv",
-        lambda *a, count=None, **k: counted.append(count is not None) or gemv(*a, count=count, **k),
-    )
-    off, on, calls, layers = decode_steps_with_and_without("SPIN_BOUNDARIES", "normed_forward", monkeypatch)
-    assert calls == 2 * (2 * layers - 1)  # gate/up in every layer, qkv from the one before: once an arm
-    assert counted.count(True) == 2 * (2 * layers - 1)  # with it on: each carried pair, both sides counted
-    assert torch.equal(on, off)
-    assert not cuda_int4._count_buffers[torch.device("cuda", 0)].any()

@@ -21,7 +21,6 @@ Shape legend: M rows of activations, K input features, N output features, g grou
 from __future__ import annotations
 
 import functools
-import itertools
 from pathlib import Path
 
 import torch
@@ -96,15 +95,6 @@ ROUNDED_ROWS = False
 # BENCHMARKS.md, thirty-fourth session).
 FOLD_NORMS = True
 FOLD_MAX_K = 8192  # the row a FOLD 2 GEMV reads: its tiles' sums, 16 a lane of a warp
-# Whether the GEMV after a carried norm waits for the one before it by a count of the tiles that one has
-# stored (FOLD 3: each of its warps adds 1 after its stores; the GEMV after goes on at K / 16, in a slot of
-# counts: `count_slot`), not for the whole grid before it to finish (griddepcontrol.wait): what a kernel
-# boundary costs beyond the work is then one poll of L2. Each pair (o into gate/up, down into the next qkv) has its own slot,
-# its projection's (`Int4WeightOnlyLinear`), and the GEMV after it sets the slot back to 0: so one decode step
-# of a model at a time (as Ember's engines run them). Not yet run on a GPU: off until its GPU tests pass and a
-# whole step gains.
-SPIN_BOUNDARIES = False
-COUNT_SLOTS = 4096  # pairs of counts a device: one a carrying projection of every model of the process
 
 
 Config = tuple[int, int, int, bool, bool]  # (TW, KW, DEPTH, LEAN, ASYNC)
@@ -114,8 +104,7 @@ def _name(
     group_steps: int, config: Config, split: bool, glu: bool = False, a8: int = 0, fold: int = 0
 ) -> str:
     """a8: 0 bf16 activations, 1 a row rounded by each block (`A8`), 2 a row rounded before (`round_row`).
-    fold: 0 none, 1 the GEMV before a norm, 2 the one after it (`FOLD_NORMS`), 3 that one waiting for a count
-    (`SPIN_BOUNDARIES`)."""
+    fold: 0 none, 1 the GEMV before a norm, 2 the one after it (`FOLD_NORMS`)."""
     tw, kw, depth, lean, asynchronous = config
     flags = ", ".join("true" if f else "false" for f in (lean, split, glu, asynchronous))
     return f"int4_mma_gemv<{group_steps}, {tw}, {kw}, {depth}, {flags}, {a8}, {fold}>"
@@ -260,16 +249,14 @@ def kernels(device: torch.device, group_steps: int, asynchronous: bool = False) 
     where they cannot be built (logged once). ASYNC ones are built apart, on first use: nothing pays for their
     build while they are not offered."""
     what = "CUDA int4 GEMV" + (" (ASYNC)" if asynchronous else "")
-    fold = 2 if FOLD_NORMS and SPIN_BOUNDARIES else int(FOLD_NORMS)
-    names = _names(group_steps, asynchronous, (1,) * A8 + (2,) * ROUNDED_ROWS, fold)
+    names = _names(group_steps, asynchronous, (1,) * A8 + (2,) * ROUNDED_ROWS, FOLD_NORMS)
     return cuda_rtc.load_or_none(SOURCE, list(names), device, what)
 
 
 @functools.cache
-def _names(group_steps: int, asynchronous: bool, a8: tuple[int, ...], fold: int = 0) -> tuple[str, ...]:
-    """Every instance built for groups of `group_steps` steps, ASYNC or not, with the A8 ones of the modes `a8`,
-    with fold the FOLD 1 and 2 ones, and with fold 2 the FOLD 3 ones too (named once: `kernels` runs on every
-    launch)."""
+def _names(group_steps: int, asynchronous: bool, a8: tuple[int, ...], fold: bool = False) -> tuple[str, ...]:
+    """Every instance built for groups of `group_steps` steps, ASYNC or not, with the A8 ones of the modes `a8`
+    and with fold the FOLD ones (named once: `kernels` runs on every launch)."""
     plain = [c for c in _built(group_steps, False) if c[4] == asynchronous]
     glu = [c for c in _built(group_steps, True) if c[4] == asynchronous]
     names = [_name(group_steps, c, split) for c in plain for split in (False, True)]
@@ -281,10 +268,7 @@ def _names(group_steps: int, asynchronous: bool, a8: tuple[int, ...], fold: int 
     if fold:
         names += [_name(group_steps, c, False, fold=1) for c in plain]
         names += [
-            _name(group_steps, c, False, g, fold=f)
-            for f in (2, 3)[:fold]
-            for g, cs in ((False, plain), (True, glu))
-            for c in cs
+            _name(group_steps, c, False, g, fold=2) for g, cs in ((False, plain), (True, glu)) for c in cs
         ]
     return tuple(names)
 
@@ -301,7 +285,6 @@ def gemv(
     glu: bool = False,
     rounded: bool = False,
     fold: tuple | None = None,
-    count: torch.Tensor | None = None,
 ) -> None:
     """y (M, N) bf16 = x (M, K) @ w.T; with split > 1, y (split, M, N) float32 partial sums over equal runs
     of K's groups; with glu (w is gate rows over up rows, 2N of them), y (M, N) = silu(gate) * up. words, sz:
@@ -309,8 +292,7 @@ def gemv(
     row (the config from `configs(..., a8=True)`); with `rounded`, x is a row as `round_row` leaves it (M = 1)
     and the A8 kernels read it as it is. fold (one row): (1, resid, hw, sq, weight, offset), y taking h =
     resid + the product and hw, sq the rest of `linear_add_norm`; or (2, sq, eps), x being hw and y scaled as
-    `normed_linear` scales it. count (a slot of `_counts`): FOLD 1 counts its stored tiles on it; FOLD 2 becomes
-    FOLD 3, waiting for the K / 16 tiles of its row there instead of for the kernel before it."""
+    `normed_linear` scales it."""
     steps = group_size // 64
     fns = kernels(x.device, steps, config[4])
     if fns is None:
@@ -320,16 +302,14 @@ def gemv(
     tw, kw = config[:2]
     grid = (-(-(N // 16) // tw), split)
     mode = 0 if fold is None else fold[0]
-    counted = (sz, 0) if count is None else (count, 1)  # `done`, `signal`: read by FOLD 1 and 3 only
     if mode == 1:
         _, resid, hw, sq, weight, offset = fold
-        args = (x, words, sz, y, N, K, M, resid, hw, sq, weight, float(offset), 0.0, *counted)
+        args = (x, words, sz, y, N, K, M, resid, hw, sq, weight, float(offset), 0.0)
     elif mode == 2:
         _, sq, eps = fold
-        args = (x, words, sz, y, N, K, M, x, y, sq, x, 0.0, float(eps), *counted)
-        mode = 2 if count is None else 3
+        args = (x, words, sz, y, N, K, M, x, y, sq, x, 0.0, float(eps))
     else:
-        args = (x, words, sz, y, N, K, M, x, y, sz, x, 0.0, 0.0, sz, 0)  # the FOLD operands, unread
+        args = (x, words, sz, y, N, K, M, x, y, sz, x, 0.0, 0.0)  # the FOLD operands, unread
     threads = tw * (2 if glu else 1) * kw * 32
     a8 = 0 if mode else 2 if rounded else int(rounds(M, split, K))
     if a8 == 1 and _shared_bytes(steps, config, glu) + rounded_bytes(K) > ASYNC_SHARED:
@@ -404,26 +384,6 @@ def fold_fits(x: torch.Tensor, words: torch.Tensor, sz: torch.Tensor, group_size
     return FOLD_NORMS and x.numel() == x.shape[-1] and fits(x.reshape(1, -1), words, sz, group_size)
 
 
-_count_buffers: dict[torch.device, torch.Tensor] = {}
-_count_slots = itertools.count()
-
-
-def next_count_slot() -> int:
-    """A slot of counts of its own for a projection that may carry a norm (past COUNT_SLOTS: none, -1)."""
-    slot = next(_count_slots)
-    return slot if slot < COUNT_SLOTS else -1
-
-
-def count_slot(slot: int, device: torch.device) -> torch.Tensor | None:
-    """Slot `slot` of the device's counts (two int32, zero until a FOLD 1 GEMV counts on them) where
-    `SPIN_BOUNDARIES` is on and the slot is one (0 <= slot < COUNT_SLOTS), else None."""
-    if not SPIN_BOUNDARIES or not 0 <= slot < COUNT_SLOTS or device.type != "cuda":
-        return None
-    if device not in _count_buffers:  # first made outside a graph capture: the carrying op runs eager first
-        _count_buffers[device] = torch.zeros(COUNT_SLOTS, 2, device=device, dtype=torch.int32)
-    return _count_buffers[device][slot]
-
-
 def linear_add_norm(
     x: torch.Tensor,
     words: torch.Tensor,
@@ -432,13 +392,11 @@ def linear_add_norm(
     resid: torch.Tensor,
     weight: torch.Tensor,
     offset: float,
-    slot: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For one row x (1, K) and a weight in the tensor-core layout: (h, hw, sq) with h (1, N) = resid + x @ w.T
     (the sum rounded to bf16, then the add, as torch rounds them), hw = h (offset + weight) rounded to bf16, and
     sq (N / 16,) float32 the sums of h^2 of each 16 rows: what `normed_linear` takes for RMSNorm(h) with that
-    weight. One kernel; the block shape timed once per shape. Needs `fold_fits`. slot (`count_slot`): its
-    stored tiles counted there, for the `normed_linear` of the same slot."""
+    weight. One kernel; the block shape timed once per shape. Needs `fold_fits`."""
     from ember.ops.launch import pdl
     from ember.quant import tuning
 
@@ -450,14 +408,12 @@ def linear_add_norm(
     sq = torch.empty(N // 16, device=x.device, dtype=torch.float32)
     on = pdl(x.device)
 
-    def run(config: Config, w: tuple[torch.Tensor, ...], count: torch.Tensor | None = None) -> None:
-        gemv(
-            x, w[0], w[1], h, group_size, config, 1, on, fold=(1, resid, hw, sq, weight, offset), count=count
-        )
+    def run(config: Config, w: tuple[torch.Tensor, ...]) -> None:
+        gemv(x, w[0], w[1], h, group_size, config, 1, on, fold=(1, resid, hw, sq, weight, offset))
 
     shapes = configs(group_size, K // group_size, 1)
     key = ("int4_fold_before", N, K, group_size)
-    run(tuning.pick(key, shapes, run, (words, sz)), (words, sz), count_slot(slot, x.device))
+    run(tuning.pick(key, shapes, run, (words, sz)), (words, sz))
     return h, hw, sq
 
 
@@ -469,13 +425,10 @@ def normed_linear(
     sz: torch.Tensor,
     group_size: int,
     glu: bool = False,
-    slot: int = -1,
 ) -> torch.Tensor:
     """RMSNorm(h) @ w.T (1, N) for h carried as `linear_add_norm` leaves it (hw, sq): the sums of hw @ w.T
     scaled by rsqrt(sum(sq) / K + eps), rounded to bf16; with glu (a gate/up weight of 2N rows), silu(gate) *
-    up of those. One kernel; the block shape timed once per shape. Needs `fold_fits`. slot (`count_slot`):
-    it waits there for the `linear_add_norm` of the same slot (FOLD 3), not for the kernel before it, and
-    sets the slot back to 0; timed as FOLD 2."""
+    up of those. One kernel; the block shape timed once per shape. Needs `fold_fits`."""
     from ember.ops.launch import pdl
     from ember.quant import tuning
 
@@ -483,10 +436,10 @@ def normed_linear(
     y = torch.empty(1, words.shape[0] // (2 if glu else 1), device=hw.device, dtype=hw.dtype)
     on = pdl(hw.device)
 
-    def run(config: Config, w: tuple[torch.Tensor, ...], count: torch.Tensor | None = None) -> None:
-        gemv(hw, w[0], w[1], y, group_size, config, 1, on, glu=glu, fold=(2, sq, eps), count=count)
+    def run(config: Config, w: tuple[torch.Tensor, ...]) -> None:
+        gemv(hw, w[0], w[1], y, group_size, config, 1, on, glu=glu, fold=(2, sq, eps))
 
     shapes = configs(group_size, K // group_size, 1, glu=glu)
     key = ("int4_fold_after", words.shape[0], K, group_size, glu)
-    run(tuning.pick(key, shapes, run, (words, sz)), (words, sz), count_slot(slot, hw.device))
+    run(tuning.pick(key, shapes, run, (words, sz)), (words, sz))
     return y

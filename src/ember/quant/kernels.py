@@ -424,13 +424,11 @@ class SplitSum(NamedTuple):
 class NormedRow(NamedTuple):
     """One row's RMSNorm(h) as the projection before the norm hands it on (`int4_mma_linear_add_norm`): hw, h
     times the norm's (offset + weight) in h's dtype, and sq, the sums of h^2 of each 16 of its values; the
-    norm's factor rsqrt(sum(sq) / E + eps) is applied by the projection after it (`int4_mma_normed_linear`).
-    slot: the one before's slot of counts, where the one after waits for it (`cuda_int4.count_slot`)."""
+    norm's factor rsqrt(sum(sq) / E + eps) is applied by the projection after it (`int4_mma_normed_linear`)."""
 
     hw: torch.Tensor
     sq: torch.Tensor
     eps: float
-    slot: int = -1
 
 
 def silu_mul_partials_reference(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -639,22 +637,20 @@ def int4_mma_linear_add_norm(
     resid: torch.Tensor,
     weight: torch.Tensor,
     offset: float,
-    slot: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`int4_mma_linear_add_norm_reference`; on CUDA one kernel of the CUDA C++ int4 GEMV
-    (`ember.quant.cuda_int4.linear_add_norm`). slot: where the `int4_mma_normed_linear` after it waits for it
-    (`cuda_int4.count_slot`; -1 none)."""
+    (`ember.quant.cuda_int4.linear_add_norm`)."""
     return int4_mma_linear_add_norm_reference(x, words, sz, group_size, resid, weight, offset)
 
 
 @int4_mma_linear_add_norm.register_fake
-def _(x, words, sz, group_size, resid, weight, offset, slot=-1):
+def _(x, words, sz, group_size, resid, weight, offset):
     N = words.shape[0]
     return x.new_empty(1, N), x.new_empty(1, N), x.new_empty(N // 16, dtype=torch.float32)
 
 
 @int4_mma_linear_add_norm.register_kernel("cuda")
-def _(x, words, sz, group_size, resid, weight, offset, slot=-1):
+def _(x, words, sz, group_size, resid, weight, offset):
     from ember.quant import cuda_int4
 
     ok = (
@@ -664,12 +660,8 @@ def _(x, words, sz, group_size, resid, weight, offset, slot=-1):
         and weight.is_contiguous()
     )
     if ok and cuda_int4.fold_fits(x, words, sz, group_size):
-        return cuda_int4.linear_add_norm(x.reshape(1, -1), words, sz, group_size, resid, weight, offset, slot)
-    out = int4_mma_linear_add_norm_reference(x, words, sz, group_size, resid, weight, offset)
-    count = cuda_int4.count_slot(slot, x.device)
-    if count is not None:  # the tiles counted all the same, for the one after it waiting on the slot
-        count[0].fill_(words.shape[0] // 16)
-    return out
+        return cuda_int4.linear_add_norm(x.reshape(1, -1), words, sz, group_size, resid, weight, offset)
+    return int4_mma_linear_add_norm_reference(x, words, sz, group_size, resid, weight, offset)
 
 
 def int4_mma_normed_linear_reference(
@@ -698,30 +690,25 @@ def int4_mma_normed_linear(
     sz: torch.Tensor,
     group_size: int,
     glu: bool,
-    slot: int = -1,
 ) -> torch.Tensor:
     """`int4_mma_normed_linear_reference`; on CUDA one kernel of the CUDA C++ int4 GEMV
-    (`ember.quant.cuda_int4.normed_linear`). slot: the `int4_mma_linear_add_norm` before it to wait for there
-    (`cuda_int4.count_slot`; -1: wait for the kernel before it)."""
+    (`ember.quant.cuda_int4.normed_linear`)."""
     return int4_mma_normed_linear_reference(hw, sq, eps, words, sz, group_size, glu)
 
 
 @int4_mma_normed_linear.register_fake
-def _(hw, sq, eps, words, sz, group_size, glu, slot=-1):
+def _(hw, sq, eps, words, sz, group_size, glu):
     return hw.new_empty(1, words.shape[0] // (2 if glu else 1))
 
 
 @int4_mma_normed_linear.register_kernel("cuda")
-def _(hw, sq, eps, words, sz, group_size, glu, slot=-1):
+def _(hw, sq, eps, words, sz, group_size, glu):
     from ember.quant import cuda_int4
 
     x = hw.reshape(1, -1)
     fits = x.shape[1] <= cuda_int4.FOLD_MAX_K and cuda_int4.fold_fits(x, words, sz, group_size)
     if fits and sq.is_contiguous() and (not glu or (words.shape[0] // 2) % 16 == 0):
-        return cuda_int4.normed_linear(x, sq, eps, words, sz, group_size, glu, slot)
-    count = cuda_int4.count_slot(slot, hw.device)
-    if count is not None:  # the slot back to 0, as the kernel would have set it
-        count.zero_()
+        return cuda_int4.normed_linear(x, sq, eps, words, sz, group_size, glu)
     return int4_mma_normed_linear_reference(hw, sq, eps, words, sz, group_size, glu)
 
 

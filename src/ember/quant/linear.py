@@ -385,7 +385,6 @@ class Int4WeightOnlyLinear(QuantLinear):
         dev = self.qweight.device
         self._splits = 1
         self._whole_rows = False  # decode GEMVs by the CUDA C++ int4 kernel over whole rows of K
-        self._count_slot = -1  # with `_whole_rows`: its slot of counts (`cuda_int4.count_slot`) as a FOLD 1
         inner = next((t for t in (8, 4, 2) if self.in_features % (16 * t) == 0), None)
         cuda_ok = self.dtype == torch.bfloat16 and self.out_features % 8 == 0 and inner is not None
         if dev.type == "cpu" and cpu_ext.fits(self.out_features, self.in_features) and cpu_ext.available():
@@ -422,8 +421,6 @@ class Int4WeightOnlyLinear(QuantLinear):
                 N, K, g = self.out_features, self.in_features, self.group_size
                 self._splits = triton_mma.row_splits(N, K, g, dev)
                 self._whole_rows = cuda_int4.whole_rows(dev, g)
-                if self._whole_rows:
-                    self._count_slot = cuda_int4.next_count_slot()
         elif self._kernel == "tiled":
             self.register_buffer("_words", kernels.int4_tile(self.qweight, self.group_size), persistent=False)
             self.register_buffer(
@@ -531,15 +528,14 @@ class Int4WeightOnlyLinear(QuantLinear):
             resid.reshape(1, -1),
             norm.weight,
             norm.offset,
-            self._count_slot,
         )
-        return h.reshape(resid.shape), kernels.NormedRow(hw, sq, norm.eps, self._count_slot)
+        return h.reshape(resid.shape), kernels.NormedRow(hw, sq, norm.eps)
 
     def normed_forward(self, row: kernels.NormedRow, shape: torch.Size, glu: bool = False) -> torch.Tensor:
         """self(norm(h)) for the row h of `shape` carried as `linear_add_norm` leaves it, or silu(gate) * up of it
         with glu (a gate/up projection): one GEMV (`kernels.int4_mma_normed_linear`; `carries_norm`)."""
         y = kernels.int4_mma_normed_linear(
-            row.hw, row.sq, row.eps, self._words, self._msz, self.group_size, glu, row.slot
+            row.hw, row.sq, row.eps, self._words, self._msz, self.group_size, glu
         )
         return y.reshape(*shape[:-1], -1)
 

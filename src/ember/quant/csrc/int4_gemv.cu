@@ -205,40 +205,7 @@ __device__ __forceinline__ void step(uint4 w, const uint4 (&x)[2], float (&C)[4]
 // 1, a projection before the norm, stores h = resid + the product (rounded as torch adds), hw = h (offset +
 // wn) in bf16 (the norm's weight applied, not its factor) and each tile's sum of h^2 (sq, N / 16 floats); 2,
 // the projection after it, takes hw as x and sq, and scales its sums by RMSNorm's factor of the row,
-// rsqrt(sum(sq) / K + eps), before it stores them (with GLU, before the activation). FOLD 3 is FOLD 2 that does
-// not wait for the grid before it (griddepcontrol.wait) but for a count (`done`): each FOLD 1 warp that stores a
-// tile adds 1 to done[0] after its stores when `signal` is set, and FOLD 3's blocks go on once done[0] reaches
-// the K / 16 tiles of their row (reading the row through L2: it is written while they run), counting
-// themselves on done[1]; the last one sets both back to 0 for the next pair (`cuda_int4.SPIN_BOUNDARIES`).
-// x's 16 bytes: through the read-only path, or with COHERENT through L2 (a row written while the kernel runs).
-template <bool COHERENT>
-__device__ __forceinline__ uint4 load_x(const uint4* p) {
-  return COHERENT ? __ldcg(p) : __ldg(p);
-}
-
-// FOLD 3's wait: thread 0 polls done[0] (acquire, GPU scope) until it reaches `target`, and the block goes on
-// together; each block then counts itself on done[1], and the grid's last sets both back to 0. A count that
-// never comes (a pairing gone wrong) traps after 2 s rather than hang the GPU.
-__device__ __forceinline__ void wait_count(u32* done, u32 target) {
-  if (threadIdx.x == 0) {
-    unsigned long long start, now;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-    for (;;) {
-      u32 v;
-      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(done) : "memory");
-      if (v >= target) break;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-      if (now - start > 2000000000ull) __trap();
-    }
-    const u32 blocks = gridDim.x * gridDim.y;
-    if (atomicAdd(done + 1, 1u) == blocks - 1) {  // every block is past its wait
-      atomicExch(done, 0u);
-      atomicExch(done + 1, 0u);
-    }
-  }
-  __syncthreads();
-}
-
+// rsqrt(sum(sq) / K + eps), before it stores them (with GLU, before the activation).
 #ifndef STAMP  // points of a block's path that `benchmarks/gpu_attention_stamps.py --o-proj` times (nothing here)
 #define STAMP(point)
 #endif
@@ -247,14 +214,12 @@ template <int GS, int TW, int KW, int DEPTH, bool LEAN, bool SPLIT, bool GLU, bo
 __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * (GLU ? 2 : 1) * KW * 32, LEAN))
     int4_mma_gemv(const u16* __restrict__ x, const uint4* __restrict__ w, const u32* __restrict__ sz,
                   void* __restrict__ y, int N, int K, int M, const u16* __restrict__ resid, u16* __restrict__ hw,
-                  float* __restrict__ sq, const u16* __restrict__ wn, float offset, float eps, u32* done,
-                  int signal) {
+                  float* __restrict__ sq, const u16* __restrict__ wn, float offset, float eps) {
   static_assert(!(GLU && SPLIT), "a gate/up GEMV stores whole rows");
   static_assert(!(ASYNC && LEAN), "LEAN's point is registers; ASYNC's ring is in shared memory");
   static_assert(!(A8 && SPLIT), "A8 runs whole rows");
   static_assert(!FOLD || (!SPLIT && !A8), "FOLD runs whole rows of bf16 activations");
   static_assert(FOLD != 1 || !GLU, "FOLD 1 is a projection into the residual stream");
-  constexpr bool AFTER = FOLD >= 2;  // the projection after a carried norm: FOLD 2, or 3 (counted, below)
   constexpr int SLOTS = TW * (GLU ? 2 : 1);
   constexpr int WARPS = SLOTS * KW;
   pdl_launch_dependents();
@@ -299,11 +264,7 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
       zb[d][1] = __ldg(zp + 8 * G + grp);
     }
   }
-  if (FOLD == 3) {
-    wait_count(done, (u32)(K >> 4));
-  } else {
-    pdl_wait();
-  }
+  pdl_wait();
   STAMP(1);
   // A8: the row rounded to int8 (K bytes), then each block of 32's scale and sum (K / 32 floats each): with
   // A8 1 rounded here into shared memory, with A8 2 what x points at (`ember.quant.cuda_int4.round_row`).
@@ -324,8 +285,8 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
     if (A8) {
       xc8[s] = load8<A8 == 2>(xr, xscale, xsum, min(first, top) * GS + s);
     } else {
-      xc[s][0] = load_x<FOLD == 3>(xp + (min(first, top) * GS + s) * 8);
-      xc[s][1] = load_x<FOLD == 3>(xp + (min(first, top) * GS + s) * 8 + 1);
+      xc[s][0] = __ldg(xp + (min(first, top) * GS + s) * 8);
+      xc[s][1] = __ldg(xp + (min(first, top) * GS + s) * 8 + 1);
     }
   }
   // FOLD's operands read before the loop, while the first groups are in flight (after it, each read's latency
@@ -339,11 +300,11 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
     __syncwarp();
   }
   float r = 1.0f;
-  if (AFTER && kr == 0) {
+  if (FOLD == 2 && kr == 0) {
     float total = 0.0f;
 #pragma unroll
-    for (int i = 0; i < (AFTER ? 16 : 0); ++i) {
-      if (lane + 32 * i < (K >> 4)) total += FOLD == 3 ? __ldcg(sq + lane + 32 * i) : __ldg(sq + lane + 32 * i);
+    for (int i = 0; i < (FOLD == 2 ? 16 : 0); ++i) {
+      if (lane + 32 * i < (K >> 4)) total += __ldg(sq + lane + 32 * i);
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xFFFFFFFFu, total, o);
@@ -364,8 +325,8 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
           if (A8) {
             xn8[s] = load8<A8 == 2>(xr, xscale, xsum, at * GS + s);
           } else {
-            xn[s][0] = load_x<FOLD == 3>(xp + (at * GS + s) * 8);
-            xn[s][1] = load_x<FOLD == 3>(xp + (at * GS + s) * 8 + 1);
+            xn[s][0] = __ldg(xp + (at * GS + s) * 8);
+            xn[s][1] = __ldg(xp + (at * GS + s) * 8 + 1);
           }
         }
         if (ASYNC) {  // group j from its slot (read before the slot is refilled below)
@@ -450,10 +411,10 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
     for (int c = 0; c < 4; ++c) {
       const int m = 2 * q + (c & 1), row = own * 16 + g + 8 * (c >> 1);
       if (m < M) {
-        const float gate = round_to<true>(AFTER ? acc[c] * r : acc[c]);
+        const float gate = round_to<true>(FOLD == 2 ? acc[c] * r : acc[c]);
         const float act = round_to<true>(gate / (1.0f + __expf(-gate)));
         const float upv = ups[slot * 128 + c * 32 + lane];
-        const float out = act * round_to<true>(AFTER ? upv * r : upv);
+        const float out = act * round_to<true>(FOLD == 2 ? upv * r : upv);
         static_cast<u16*>(y)[(size_t)m * N + row] = from_f32<true>(out);
       }
     }
@@ -475,7 +436,7 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
         hw[row] = from_f32<true>(hf * held[at + 16]);
         squares = fmaf(hf, hf, squares);
       } else {
-        static_cast<u16*>(y)[(size_t)m * N + row] = from_f32<true>(AFTER ? acc[c] * r : acc[c]);
+        static_cast<u16*>(y)[(size_t)m * N + row] = from_f32<true>(FOLD == 2 ? acc[c] * r : acc[c]);
       }
     }
   }
@@ -483,11 +444,6 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
 #pragma unroll
     for (int o = 4; o < 32; o <<= 1) squares += __shfl_xor_sync(0xFFFFFFFFu, squares, o);
     if (lane == 0) sq[tile] = squares;
-    if (signal) {  // this tile stored: counted for a FOLD 3 projection after it
-      __threadfence();
-      __syncwarp();
-      if (lane == 0) atomicAdd(done, 1u);
-    }
   }
   STAMP(5);
 }
