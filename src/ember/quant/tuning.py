@@ -10,10 +10,9 @@ replays, once per key and process, and remembers the winner. With `PRECEDED_NS`,
 a kernel that holds the GPU that long without memory traffic (`ember/ops/csrc/hold.cu`), as attention and the
 norms precede the step's GEMVs: there a block shape that loads more weights before its wait (programmatic
 dependent launch) hides them under the kernel before, which back-to-back launches of one GEMV never show.
-With `INTERLEAVED`, the candidates' graphs are replayed in turn, round after round, instead of each one's
-replays together, so that a drift of the GPU while they are timed (its clocks, its temperature) falls on all;
-with `QUEUED`, the timed replays are queued behind a GPU sleep and waited for once, so that none starts on an
-idle GPU and counts the host's time to queue it.
+Timing the candidates in turn, round after round, or queued behind a GPU sleep so that no replay counts the
+host's time to queue it, picked the same block shapes and made the same step in fresh processes (H100,
+BENCHMARKS.md, thirty-fifth session): the tuner times each candidate's replays together, each waited for.
 
     config = pick(key, candidates, run, weights)   # run(config, weights) launches one call
 """
@@ -42,20 +41,6 @@ HOLD_SOURCE = Path(__file__).resolve().parents[1] / "ops" / "csrc" / "hold.cu"
 # that is not among the candidates is ignored.
 PINNED: dict[tuple, object] = {}
 
-# Whether `pick` replays the candidates in turn, round after round (else each candidate's replays back to back).
-# The first arm a process tuned picked a gate/up block shape that made the whole int4 step ~3% slower than the
-# one every later arm picked, in all four A/Bs of one session (H100, BENCHMARKS.md, thirty-fourth session):
-# the timings of near-equal candidates drift. Not yet run on a GPU: off until its GPU test passes and the
-# picks of fresh processes agree with it.
-INTERLEAVED = False
-# Whether the timed replays are queued behind a GPU sleep and waited for once (else each replay is waited for
-# before the next is queued). Waited for one by one, each replay starts on an idle GPU, and its time holds
-# however long the host took to queue the graph after the start event: a few to tens of microseconds against
-# graphs of 50-500, more while other threads or processes (inductor's compile workers) share the host. Not
-# yet run on a GPU: off until its GPU test passes and the picks of fresh processes agree with it.
-QUEUED = False
-SLEEP_CYCLES = 1_000_000  # ~0.5 ms at 2 GHz: the host queues the replays behind it
-
 _picked: dict[tuple, object] = {}
 
 
@@ -79,9 +64,7 @@ def pick(key: tuple, candidates: Sequence, run: Callable, weights: tuple[torch.T
         return candidates[0]
     copies = _weight_copies(weights)
     calls = [lambda i, c=candidate: run(c, copies[i % len(copies)]) for candidate in candidates]
-    timed = (interleaved_seconds if INTERLEAVED else _one_by_one)(
-        calls, max(len(copies), MIN_LAUNCHES), before=_hold(device, PRECEDED_NS)
-    )
+    timed = _one_by_one(calls, max(len(copies), MIN_LAUNCHES), before=_hold(device, PRECEDED_NS))
     best, best_s, error = None, math.inf, None
     for candidate, s in zip(candidates, timed, strict=True):
         if isinstance(s, Exception):  # e.g. a tile that needs more shared memory than this GPU has
@@ -111,29 +94,6 @@ def _one_by_one(
         except Exception as e:
             out.append(e)
     return out
-
-
-def interleaved_seconds(
-    calls: list[Callable[[int], None]],
-    launches: int,
-    replays: int = REPLAYS,
-    before: Callable[[], None] | None = None,
-) -> list[float | Exception]:
-    """Seconds per call of each of `calls` as `graph_seconds` times one, but with every call's graph captured
-    first and then replayed in turn, `replays` rounds (each round starting one call further on), so that what
-    drifts while they are timed falls on all of them alike. An exception in place of a call that failed."""
-    graphs: list[torch.cuda.CUDAGraph | Exception] = []
-    for call in calls:
-        try:
-            graphs.append(_captured(call, launches, before))
-        except Exception as e:
-            graphs.append(e)
-    live = [i for i, g in enumerate(graphs) if not isinstance(g, Exception)]
-    order = [i for r in range(replays if live else 0) for i in live[r % len(live) :] + live[: r % len(live)]]
-    times: dict[int, list[float]] = {i: [] for i in live}
-    for i, s in zip(order, _timed_replays([graphs[i] for i in order], launches), strict=True):
-        times[i].append(s)
-    return [g if isinstance(g, Exception) else sorted(times[i])[replays // 2] for i, g in enumerate(graphs)]
 
 
 def _weight_copies(weights: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
@@ -168,15 +128,6 @@ def graph_seconds(
     """Seconds per call of call(i), i < launches, captured in one CUDA graph; median of `replays` replays.
     before: launched ahead of each call (its time is counted: the same for every candidate).
     (`benchmarks/gpu_gemv.py` times its sweeps with it too.)"""
-    graph = _captured(call, launches, before)
-    times = _timed_replays([graph] * replays, launches)
-    return sorted(times)[len(times) // 2]
-
-
-def _captured(
-    call: Callable[[int], None], launches: int, before: Callable[[], None] | None
-) -> torch.cuda.CUDAGraph:
-    """call(i) for i < launches (each behind `before`) in one CUDA graph, built, captured and replayed once."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -191,21 +142,12 @@ def _captured(
                 before()
             call(i)
     graph.replay()
-    return graph
-
-
-def _timed_replays(graphs: list[torch.cuda.CUDAGraph], launches: int) -> list[float]:
-    """Each of `graphs` replayed in order (one graph may come several times), in seconds per launch of its
-    call: waited for one by one, or with `QUEUED` all queued behind a GPU sleep and waited for once."""
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in graphs]
-    if QUEUED:
-        torch.cuda._sleep(SLEEP_CYCLES)
-    for graph, (start, end) in zip(graphs, events, strict=True):
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()
         end.record()
-        if not QUEUED:
-            end.synchronize()
-    if events:
-        events[-1][1].synchronize()
-    return [start.elapsed_time(end) / 1e3 / launches for start, end in events]
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / launches)
+    return sorted(times)[len(times) // 2]
