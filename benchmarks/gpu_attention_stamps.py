@@ -86,7 +86,7 @@ def main() -> None:
     L, H, K, D, S = 32, 32, 8, 128, args.slots
     dev, bf = torch.device("cuda"), torch.bfloat16
     config = tuple(args.config) if args.config else cuda_attention.default_config(S, D, H // K)
-    qkv_config = (*args.qkv, False)
+    qkv_config = (*args.qkv, False, False)  # TW KW DEPTH LEAN ASYNC
     ws, _ = weights_for("int4cu", (H + 2 * K) * D, 4096, L)
     x = torch.randn(1, 4096, device=dev, dtype=bf)
     ys = [torch.empty(1, (H + 2 * K) * D, device=dev, dtype=bf) for _ in range(L)]

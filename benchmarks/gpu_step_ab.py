@@ -185,8 +185,9 @@ def main() -> None:
             for _ in range(2):  # the first captures the decode graph with this arm's kernels
                 tokens[arm] = [s.token_id for s in gens[arm].generate(prompt, params, (), None)]
             if arms[arm].share is not None:  # the shared picks, as if tuned: only the arm's own ones differ
+                own = arms[arm].settings.get("ember.quant.tuning.PINNED") or {}
                 for key, value in arms[arm].share.picks.items():
-                    arms[arm].picks.setdefault(key, value)
+                    arms[arm].picks.setdefault(key, own.get(key[:-1], value))
         for r in range(args.runs):
             for arm in list(arms)[:: 1 if r % 2 else -1]:
                 arms[arm].use()  # the prefill runs outside the graph
