@@ -233,7 +233,9 @@ class BenchResult:
     device: str
     dtype: str
     quantize: str | None  # the resolved scheme ("int4-g128" for "int4")
-    compile: bool  # the decode step
+    compile: (
+        bool  # whether the decode step ran compiled (asked for, or an earlier run's package: decode_step)
+    )
     compile_prefill: bool
     threads: int
     prompt_tokens: int
@@ -253,6 +255,9 @@ class BenchResult:
     prefill_bandwidth_gb_s: float = 0.0
     prefill_bandwidth_pct: float | None = None
     runs: list[dict] = field(default_factory=list)
+    decode_step: str = (
+        "eager"  # "aoti" (the CPU package), "torch.compile" or "eager" (`Generator.decode_step`)
+    )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -274,7 +279,7 @@ def run_bench(
     new_tokens: int = 256,
     repeats: int = 3,
     warmup: int = 1,
-    compile: bool = False,
+    compile: bool | None = False,
     compile_prefill: bool = False,
     quantize: str | None = None,
     measure_device: bool = True,
@@ -334,6 +339,7 @@ def run_bench(
     prefill_achieved = wbytes * prefill["prefill_tokens_per_s"] / prompt_tokens / 1e9  # one pass per prompt
     limit = copy_bandwidth(device) / 1e9 if measure_device else None
     peak = peak_memory_mb(device)
+    step = gen.decode_step
     del gen
     gc.collect()
     return BenchResult(
@@ -341,7 +347,7 @@ def run_bench(
         device=str(device) if device.type != "cuda" else torch.cuda.get_device_name(device),
         dtype=str(_activation_dtype(model)).removeprefix("torch."),
         quantize=quantize,
-        compile=compile,
+        compile=step != "eager",
         compile_prefill=compile_prefill,
         threads=torch.get_num_threads(),
         prompt_tokens=prompt_tokens,
@@ -359,6 +365,7 @@ def run_bench(
         prefill_bandwidth_gb_s=round(prefill_achieved, 2),
         prefill_bandwidth_pct=round(100 * prefill_achieved / limit, 1) if limit else None,
         runs=runs,
+        decode_step=step,
     )
 
 

@@ -119,7 +119,7 @@ class LLM:
         device: str | None = None,
         dtype: str | None = None,
         max_seq_len: int | None = None,
-        compile: bool = False,
+        compile: bool | None = False,
         compile_prefill: bool = False,
         quantize: str | None = None,
         quant_cache: bool = True,

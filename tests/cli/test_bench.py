@@ -224,3 +224,37 @@ def test_bench_random_weights_checks_the_context_before_building(monkeypatch, sh
     assert main(["bench", "--random-weights", shape, "--device", "cpu", *extra]) == 1
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_says_how_it_decoded_and_reuses_a_compiled_step_unasked(tmp_path, monkeypatch, capsys):
+    # On CPU, without --compile, a run decodes eagerly until a --compile run has built the AOTInductor step
+    # for the model's shape; then it decodes with that one. --no-compile stays eager.
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    args = [
+        "bench",
+        "--random-weights",
+        "tiny",
+        "--device",
+        "cpu",
+        "--prompt-tokens",
+        "4",
+        "--new-tokens",
+        "3",
+    ]
+    args += ["--repeats", "1", "--warmup", "0"]
+
+    def bench(*extra: str) -> dict:
+        assert main([*args, *extra, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "decode step eager" in out and "hint      --compile builds" in out
+    assert main([*args, "--no-compile"]) == 0
+    assert "decode step eager" in (out := capsys.readouterr().out) and "hint" not in out
+    assert bench()["decode_step"] == "eager" and not list(tmp_path.glob("aoti/*.pt2"))
+    compiled = bench("--compile")
+    assert compiled["decode_step"] == "aoti" and compiled["compile"] is True
+    unasked = bench()
+    assert unasked["decode_step"] == "aoti" and unasked["compile"] is True
+    assert bench("--no-compile")["decode_step"] == "eager"

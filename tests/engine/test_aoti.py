@@ -51,6 +51,23 @@ def test_aoti_decode_matches_eager_and_is_reused(quantize, tmp_path, monkeypatch
         again = Generator(model, device=CPU, context=600, compile=True)
         assert greedy(again, prompt, 12) == expected
     assert "loaded" in caplog.text and "compiling" not in caplog.text
+    # Not asked either way (the CLI's default), a Generator decodes with the package an earlier run built;
+    # asked not to compile, eagerly.
+    unasked = Generator(model, device=CPU, context=600, compile=None)
+    assert greedy(unasked, prompt, 12) == expected and unasked.decode_step == "aoti"
+    eager_again = Generator(model, device=CPU, context=600, compile=False)
+    assert greedy(eager_again, prompt, 12) == expected and eager_again.decode_step == "eager"
+
+
+def test_unasked_without_a_package_decodes_eagerly_and_builds_none(tmp_path, monkeypatch):
+    # compile=None never starts the minutes of compiling: with no package on disk it is the eager step.
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    model = tiny(None)
+    prompt = torch.randint(0, model.config.vocab_size, (7,)).tolist()
+    unasked = Generator(model, device=CPU, context=64, compile=None)
+    assert greedy(unasked, prompt, 6) == greedy(Generator(model, device=CPU, context=64), prompt, 6)
+    assert unasked.decode_step == "eager" and not unasked.compiled
+    assert not (tmp_path / "aoti").exists() or not list((tmp_path / "aoti").iterdir())
 
 
 @pytest.mark.slow

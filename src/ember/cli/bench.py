@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         decode = f"{r.decode_tokens_per_s:9.1f} tok/s   {r.decode_bandwidth_gb_s:.1f} GB/s{share(r.decode_bandwidth_pct)}"
     lines = [
-        f"model     {r.model} ({r.dtype}, quantize={r.quantize or 'none'}, compile={r.compile}, "
+        f"model     {r.model} ({r.dtype}, quantize={r.quantize or 'none'}, decode step {r.decode_step}, "
         f"compile_prefill={r.compile_prefill}) on {r.device}, {r.threads} threads",
         f"weights   {r.weight_bytes_per_step / 1e6:.1f} MB read per decode step",
         f"prefill   {r.prefill_tokens_per_s:9.1f} tok/s   {r.prefill_bandwidth_gb_s:.1f} GB/s"
@@ -133,5 +133,9 @@ def run(args: argparse.Namespace) -> int:
         f"overall   {r.total_tokens_per_s:9.1f} tok/s   ({r.new_tokens} new tokens, prefill included)",
         f"memory    {r.peak_memory_mb:9.1f} MB peak",
     ]
+    if r.decode_step == "eager" and r.device == "cpu" and args.compile is None:
+        lines.append(
+            "hint      --compile builds a compiled decode step once (minutes); later runs use it unasked"
+        )
     print("\n".join(lines))
     return 0

@@ -74,7 +74,14 @@ def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = Fal
     parser.add_argument(
         "--max-seq-len", type=integer(1), default=None, help="cap the context (and the KV cache) length"
     )
-    parser.add_argument("--compile", action="store_true", help="compile the decode step with torch.compile")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile the decode step (CPU: an AOTInductor package, built once per model shape in minutes and "
+        "kept in $EMBER_CACHE_DIR/aoti; CUDA: torch.compile and a CUDA graph). Default: on CPU, decode with "
+        "such a package where an earlier --compile run built one, else eagerly; --no-compile: eagerly",
+    )
     parser.add_argument(
         "--compile-prefill",
         action="store_true",

@@ -177,11 +177,15 @@ class AOTIDecodeStep:
         return self._run([*self._weights, tokens, positions, *cache.k, *cache.v])[0]
 
 
+def package_path(model: Decoder, dtype: torch.dtype) -> Path:
+    """Where the decode step's package for `model`'s shape over caches of `dtype` lies (once built)."""
+    return cache_dir() / f"decode-{package_key(model, dtype)}.pt2"
+
+
 def load_decode_step(model: Decoder, cache: StaticKVCache) -> AOTIDecodeStep:
     """The AOTInductor decode step for `model`'s shape over caches like `cache`; compiled on first use."""
-    folder = cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"decode-{package_key(model, cache.k[0].dtype)}.pt2"
+    path = package_path(model, cache.k[0].dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
         start = time.perf_counter()
         # Minutes of silence otherwise: say so once, at the level the CLI shows by default.
