@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from ember.ops.norm import RMSNorm, add_rms_norm_reference, rms_norm_reference
+from ember.ops import cpu_ext
+from ember.ops.norm import RMSNorm, add_rms_norm_reference, cpu_kernel, rms_norm_reference
 
 # The Triton kernel on CPU tensors in Triton's interpreter (a GPU run of the suite sets TRITON_INTERPRET=0; the
 # compiled kernel's tests are the CUDA ones of tests/quant/test_cuda_int4.py).
@@ -38,6 +39,40 @@ def test_add_forward_returns_the_sum_and_its_norm():
     h, out = norm.add_forward(x, d)
     torch.testing.assert_close(h, x + d, atol=0, rtol=0)
     torch.testing.assert_close(out, norm(x + d), atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not cpu_ext.available(), reason="needs Ember's C++ CPU kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, offset", [((1, 1, 576), 0.0), ((3, 5, 96), 1.0), ((2, 37), 0.0)])
+def test_the_cpu_kernels_of_an_eager_norm_match_the_plain_ops(dtype, shape, offset):
+    # Eager inference on a CPU runs `ember_cpu::rms_norm` / `add_rms_norm`: the plain ops' values, but for the
+    # sum of squares added in another order (the factor may differ in its last float32 bit).
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    d = torch.randn(shape, generator=g).to(dtype)
+    norm = RMSNorm(shape[-1], 1e-6, offset).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1], generator=g) * 0.5 + 1)
+    with torch.inference_mode():
+        assert cpu_kernel(x, norm.weight)
+        h, out = norm.add_forward(x, d)
+        alone = norm(x)
+        assert torch.equal(alone, torch.ops.ember_cpu.rms_norm(x, norm.weight, 1e-6, offset))
+    want_h, want = add_rms_norm_reference(x, d, norm.weight.detach(), 1e-6, offset)
+    assert h.dtype == out.dtype == alone.dtype == dtype and torch.equal(h, want_h)
+    step = {torch.float32: 4e-7, torch.bfloat16: 2.0**-7}[dtype]  # one rounding step of the result at most
+    torch.testing.assert_close(out, want, atol=0, rtol=step)
+    torch.testing.assert_close(
+        alone, rms_norm_reference(x, norm.weight.detach(), 1e-6, offset), atol=0, rtol=step
+    )
+
+
+def test_a_norm_outside_eager_cpu_inference_keeps_the_plain_ops():
+    x, w = torch.randn(1, 8), torch.ones(8)
+    assert not cpu_kernel(x, w)  # autograd on: no kernel of its own
+    with torch.inference_mode():
+        assert not cpu_kernel(x.half(), w.half())  # float16: not a dtype of the kernel
+        assert not cpu_kernel(x, w.bfloat16())  # mixed dtypes
 
 
 @in_interpreter

@@ -5,7 +5,8 @@ A pre-norm layer's residual stream is h = x + branch(norm(x)); a CUDA decode ste
 next norm between two GEMVs. torch.compile fuses them into one kernel of its own, which the GEMV after it
 cannot start early behind (`ember.ops.launch`); on CUDA, for one row, `add_rms_norm` is a Triton kernel that
 loads the norm weight before waiting on the kernel before and lets the GEMV after it start while it drains.
-Elsewhere it is the plain ops, `add_rms_norm_reference`, which the kernel is tested against.
+Elsewhere it is the plain ops, `add_rms_norm_reference`, which the kernel is tested against; in an eager CPU
+step, Ember's C++ kernel of the same values (`cpu_kernel`).
 
 A split GEMV's float32 partial sums (`ember.quant.kernels.SplitSum`) can stand for delta: the kernel adds them
 as it loads them, in place of the pass that would (int4 o and down projections; one kernel and its
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ember.ops import cpu_ext
 from ember.ops.linear import one_row_on_cuda
 from ember.quant.kernels import HAS_TRITON, SplitSum
 
@@ -107,6 +109,20 @@ def _(x, delta, weight, eps, offset):
     return add_rms_norm_rounded_reference(x, delta, weight, eps, offset)
 
 
+def cpu_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether a norm of x runs Ember's C++ CPU kernel (`ember.ops.cpu_ext`): eager inference on a CPU, x and the
+    weight float32 or bfloat16 alike. A compiled step keeps the plain ops, which inductor fuses with their
+    neighbours."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and weight.dtype == x.dtype
+        and not torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and cpu_ext.available()
+    )
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
@@ -115,6 +131,8 @@ class RMSNorm(nn.Module):
         self.offset = offset  # Gemma: the stored weight w scales by (1 + w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernel(x, self.weight):
+            return torch.ops.ember_cpu.rms_norm(x, self.weight, self.eps, self.offset)
         return rms_norm_reference(x, self.weight, self.eps, self.offset)
 
     def add_forward(
@@ -128,4 +146,12 @@ class RMSNorm(nn.Module):
         args = (x, d, self.weight, self.eps, self.offset)
         if one_row_on_cuda(x) and x.dtype == self.weight.dtype and (split or d.dtype == x.dtype):
             return add_rms_norm_rounded(*args) if rounded else add_rms_norm(*args)
+        if (
+            not rounded
+            and not split
+            and d.shape == x.shape
+            and d.dtype == x.dtype
+            and cpu_kernel(x, self.weight)
+        ):
+            return torch.ops.ember_cpu.add_rms_norm(*args)
         return add_rms_norm_rounded_reference(*args) if rounded else add_rms_norm_reference(*args)
