@@ -26,21 +26,10 @@ import argparse
 import torch
 
 from ember.loading.checkpoint import load
-from ember.quant import linear, perplexity, quantize_model
+from ember.quant import QUALITY_TEXT, linear, perplexity, quantize_model
 from ember.quant.cuda_int4 import round_row, unround_row
 
-TEXT = (
-    "The French Revolution was a period of political and societal change in France that began with the Estates "
-    "General of 1789 and ended with the coup of 18 Brumaire in November 1799 and the formation of the French "
-    "Consulate. Many of its ideas are considered fundamental principles of liberal democracy, while its values "
-    "and institutions remain central to modern French political discourse. Its causes are generally agreed to be "
-    "a combination of social, political, and economic factors which the existing regime proved unable to manage. "
-    "Financial crisis and widespread social distress led to the convocation of the Estates General in May 1789, "
-    "its first meeting since 1614. The Representatives of the Third Estate broke away and re-constituted "
-    "themselves as a National Assembly in June. The Storming of the Bastille in Paris on 14 July led to a series "
-    "of radical measures by the Assembly, including the abolition of feudalism, state control over the Catholic "
-    "Church in France, and a declaration of rights."
-)
+TEXT = QUALITY_TEXT
 
 
 def round_rows(model: torch.nn.Module) -> torch.nn.Module:
