@@ -326,3 +326,61 @@ def test_paged_decode_attention_follows_each_rows_slots(ops, dtype, window):
         bad = slots.clone()
         bad[1, S - 1] = pool  # row 1 sees its last slot under any window
         ops.paged_decode_attention(q, k_pool, v_pool, bad, positions, D**-0.5, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "B,H,K,D,rotary,window", [(1, 9, 3, 64, 64, 0), (2, 4, 2, 32, 16, 5), (3, 8, 8, 128, 128, 0)]
+)
+def test_rope_decode_attention_is_the_rope_the_writes_and_decode_attention(
+    ops, dtype, B, H, K, D, rotary, window
+):
+    """Bit for bit the eager ops it stands for in a decode step (`apply_rope_qk`, the cache writes at each row's
+    position, `decode_attention`), partial rotary included; the caches' other slots and rows untouched, and a
+    cache of another dtype written as index_put converts."""
+    from ember.ops.rope import apply_rope_qk
+
+    torch.manual_seed(D + rotary)
+    S = 40
+    q, k, v = (torch.randn(B, 1, n, D, dtype=dtype) for n in (H, K, K))
+    cos, sin = torch.randn(B, 1, rotary), torch.randn(B, 1, rotary)
+    positions = torch.tensor([0, S - 1, 17][:B])
+    for cache_dtype in (dtype, torch.float32 if dtype == torch.bfloat16 else torch.bfloat16):
+        k_cache, v_cache = (torch.randn(B + 1, K, S, D, dtype=dtype).to(cache_dtype) for _ in range(2))
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        qr, kr = apply_rope_qk(q, k, cos, sin)
+        rows = torch.arange(B)[:, None]
+        want_k[rows, :, positions[:, None]] = kr.to(cache_dtype)
+        want_v[rows, :, positions[:, None]] = v.to(cache_dtype)
+        want = ops.decode_attention(qr[:, 0], want_k[:B], want_v[:B], positions, D**-0.5, window)
+        got = ops.rope_decode_attention(
+            q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], k_cache, v_cache, positions, D**-0.5, window
+        )
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v), cache_dtype
+        assert got.dtype == dtype and torch.equal(got, want), cache_dtype
+    with pytest.raises(RuntimeError, match=f"position {S} is outside the cache's {S} slots"):
+        ops.rope_decode_attention(
+            q[:, 0], k[:, 0], v[:, 0], cos[:, 0], sin[:, 0], k_cache, v_cache, positions + S, 0.1, 0
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rotary", [64, 32])
+def test_rope_write_is_the_rope_and_the_pool_writes(ops, dtype, rotary):
+    """A paged cache's tokens (each its own rope angles and pool slot): bit for bit `apply_rope_qk` and the
+    writes at slot_mapping; the pool's other slots untouched."""
+    from ember.ops.rope import apply_rope_qk
+
+    torch.manual_seed(rotary)
+    N, H, K, D, pool = 5, 6, 2, 64, 30
+    q, k, v = (torch.randn(1, N, n, D, dtype=dtype) for n in (H, K, K))
+    cos, sin = torch.randn(1, N, rotary), torch.randn(1, N, rotary)
+    slot_mapping = torch.randperm(pool)[:N]
+    k_pool, v_pool = (torch.randn(pool, K, D, dtype=dtype) for _ in range(2))
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    want_q, kr = apply_rope_qk(q, k, cos, sin)
+    want_k[slot_mapping], want_v[slot_mapping] = kr[0], v[0]
+    got = ops.rope_write(q[0], k[0], v[0], cos[0], sin[0], k_pool, v_pool, slot_mapping)
+    assert torch.equal(got, want_q[0]) and torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+    with pytest.raises(RuntimeError, match=f"slot {pool} is outside the pool's {pool}"):
+        ops.rope_write(q[0], k[0], v[0], cos[0], sin[0], k_pool, v_pool, slot_mapping.clamp(max=0) + pool)

@@ -121,6 +121,14 @@ class StaticKVCache:
                 ahead,
             )  # (B, H, D)
             return out.unsqueeze(1)
+        eager = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        if T == 1 and softcap is None and self._cpu_attention and eager:  # rope and writes in the same call
+            cos, sin = rope
+            out = torch.ops.ember_cpu.rope_decode_attention(
+                q.reshape(B, H, D), k.reshape(B, -1, D), v.reshape(B, -1, D), cos[:, 0], sin[:, 0],
+                self.k[layer], self.v[layer], pos[:, 0], scale, window or 0,
+            )  # fmt: skip
+            return out.unsqueeze(1)
         q, k = apply_rope_qk(q, k, *rope)
         rows = self._rows
         self.k[layer][rows, :, pos] = k  # k (B, T, K, D) lands at cache[b, :, pos[b, t]]

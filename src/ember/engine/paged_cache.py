@@ -118,10 +118,16 @@ class PagedKVCache:
         `StaticKVCache.attend`'s L2 hint, which these kernels do not take."""
         b = self.batch
         assert b is not None
-        q, k = apply_rope_qk(q, k, *rope)
         k_pool, v_pool = self.k[layer], self.v[layer]
-        k_pool[b.slot_mapping] = k[0]
-        v_pool[b.slot_mapping] = v[0]
+        if self._cpu_attention and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            cos, sin = rope  # eager: the rope and the writes in one call
+            q = torch.ops.ember_cpu.rope_write(
+                q[0], k[0], v[0], cos[0], sin[0], k_pool, v_pool, b.slot_mapping
+            )[None]
+        else:
+            q, k = apply_rope_qk(q, k, *rope)
+            k_pool[b.slot_mapping] = k[0]
+            v_pool[b.slot_mapping] = v[0]
         out = torch.empty_like(q[0])  # (N, H, D)
         if self._decode_slots is not None and softcap is None and self._cpu_attention:
             out[b.decode_index] = torch.ops.ember_cpu.paged_decode_attention(

@@ -10,7 +10,9 @@
   `int4_silu_gate_up_bf16` is the same for a gate/up projection, with SwiGLU's activation applied to the
   sums as they leave the tile unit (its output half the width, and no pass of its own);
 - `decode_attention` and `paged_decode_attention` (`csrc/cpu_attention.cpp`): one query token a row over a
-  static or a paged KV cache, reading only the slots the row sees;
+  static or a paged KV cache, reading only the slots the row sees; `rope_decode_attention`, for eager steps,
+  also ropes q and k and writes this step's k and v to the static cache first, and `rope_write` does those
+  for a paged cache's tokens;
 - `rms_norm` and `add_rms_norm` (`csrc/cpu_norm.cpp`): `ember.ops.norm`'s RMSNorm (and the residual add before
   it) in one call, for eager steps, where its ~10 aten ops a norm were a tenth of a small model's step.
 
@@ -157,6 +159,8 @@ def load(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> str:
                 ("int8_gemv", _int8_fake),
                 ("decode_attention", _attention_fake),
                 ("paged_decode_attention", _attention_fake),
+                ("rope_decode_attention", _rope_attention_fake),
+                ("rope_write", _rope_write_fake),
                 ("rms_norm", _norm_fake),
                 ("add_rms_norm", _add_norm_fake),
             )
@@ -190,6 +194,14 @@ def amx_bf16() -> bool:
     """Whether `int4_gemm_bf16` runs here: the kernels built for AMX-BF16 and Linux granting this process the
     tile state (not with EMBER_CPU_AMX=0)."""
     return available() and bool(torch.ops.ember_cpu.amx_bf16())
+
+
+def _rope_attention_fake(q, k, v, cos, sin, k_cache, v_cache, positions, scale, window):
+    return torch.empty_like(q)
+
+
+def _rope_write_fake(q, k, v, cos, sin, k_pool, v_pool, slot_mapping):
+    return torch.empty_like(q)
 
 
 def _norm_fake(x, weight, eps, offset):

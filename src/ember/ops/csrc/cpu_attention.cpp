@@ -198,6 +198,124 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   });
 }
 
+// x (N, D) rows of one token: the first Dr dims rotated at cos, sin (Dr,) with the half-split convention, as
+// `ember.ops.rope.apply_rope` computes it in T: cos and sin rounded to T, each product and the sum rounded to
+// T (the products kept apart: a fused multiply-add would round once where torch rounds twice).
+template <typename T>
+__attribute__((optimize("fp-contract=off"))) void rope_row(const T* x, const float* cos, const float* sin,
+                                                             int64_t N, int64_t D, int64_t Dr, T* out) {
+  const int64_t half = Dr / 2;
+  auto r = [](float v) { return static_cast<float>(static_cast<T>(v)); };
+  for (int64_t n = 0; n < N; ++n) {
+    const T* xi = x + n * D;
+    T* oi = out + n * D;
+    for (int64_t d = 0; d < half; ++d) {
+      const float x1 = static_cast<float>(xi[d]), x2 = static_cast<float>(xi[d + half]);
+      const float a = r(x1 * r(cos[d])), b = r(-x2 * r(sin[d]));
+      const float c = r(x2 * r(cos[d + half])), e = r(x1 * r(sin[d + half]));
+      oi[d] = static_cast<T>(a + b);
+      oi[d + half] = static_cast<T>(c + e);
+    }
+    for (int64_t d = Dr; d < D; ++d) oi[d] = xi[d];
+  }
+}
+
+// One decode step of a layer on a static cache, all in one call (an eager step ran ~20 aten ops for the rope
+// and the cache writes): q (B, H, D) and k (B, K, D) roped at cos, sin (B, Dr), k and v (B, K, D) written to
+// the caches (B', K, S, D) at slot positions[b], then `decode_attention` of the roped q. q, k, v of one dtype.
+at::Tensor rope_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                                 at::Tensor v_cache, const at::Tensor& positions, double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
+                  k.size(2) == q.size(2) && k.scalar_type() == q.scalar_type() &&
+                  v.scalar_type() == q.scalar_type(),
+              "expected q (B, H, D), k and v (B, K, D) of one dtype, got ", q.sizes(), ", ", k.sizes(), ", ",
+              v.sizes());
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), K = k.size(1), Dr = cos.size(-1);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == B && sin.sizes() == cos.sizes() && Dr % 2 == 0 && Dr <= D,
+              "cos and sin must be (B, Dr), Dr even and at most ", D, ", got ", cos.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) >= B && k_cache.size(1) == K && k_cache.size(3) == D &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "caches ", k_cache.sizes(), " do not match k ", k.sizes());
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == B, "positions must be (B,) int64");
+  const auto pos = positions.contiguous();
+  const int64_t* pp = pos.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(pp[b] >= 0 && pp[b] < k_cache.size(2), "position ", pp[b], " is outside the cache's ",
+                k_cache.size(2), " slots");
+  const auto cf = cos.to(at::kFloat).contiguous(), sf = sin.to(at::kFloat).contiguous();
+  const auto qc = q.contiguous(), kc = k.contiguous();
+  auto q_roped = at::empty_like(qc), k_roped = at::empty_like(kc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rope_decode_attention", [&] {
+    for (int64_t b = 0; b < B; ++b) {
+      const float* cb = cf.data_ptr<float>() + b * Dr;
+      const float* sb = sf.data_ptr<float>() + b * Dr;
+      rope_row<scalar_t>(qc.data_ptr<scalar_t>() + b * H * D, cb, sb, H, D, Dr, q_roped.data_ptr<scalar_t>() + b * H * D);
+      rope_row<scalar_t>(kc.data_ptr<scalar_t>() + b * K * D, cb, sb, K, D, Dr, k_roped.data_ptr<scalar_t>() + b * K * D);
+    }
+  });
+  // This step's slot of each row and kv head, in the caches' dtype (converted as index_put converts).
+  if (k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
+      k_cache.stride(3) == 1 && v_cache.stride(3) == 1) {
+    const auto vc = v.contiguous();
+    const int64_t size = k_cache.element_size();
+    auto* kd = static_cast<char*>(k_cache.data_ptr());
+    auto* vd = static_cast<char*>(v_cache.data_ptr());
+    const auto* ks = static_cast<const char*>(k_roped.const_data_ptr());
+    const auto* vs = static_cast<const char*>(vc.const_data_ptr());
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t g = 0; g < K; ++g) {
+        const int64_t src = (b * K + g) * D * size;
+        std::memcpy(kd + (b * k_cache.stride(0) + g * k_cache.stride(1) + pp[b] * k_cache.stride(2)) * size,
+                    ks + src, D * size);
+        std::memcpy(vd + (b * v_cache.stride(0) + g * v_cache.stride(1) + pp[b] * v_cache.stride(2)) * size,
+                    vs + src, D * size);
+      }
+  } else {
+    const auto slots = at::arange(B, pos.options());
+    using at::indexing::Slice;
+    k_cache.index_put_({slots, Slice(), pos}, k_roped.to(k_cache.scalar_type()));
+    v_cache.index_put_({slots, Slice(), pos}, v.to(v_cache.scalar_type()));
+  }
+  return decode_attention(q_roped, k_cache, v_cache, pos, scale, window);
+}
+
+// A paged cache's step, for eager steps: q (N, H, D) and k (N, K, D) roped at cos, sin (N, Dr) (each token its
+// own), k and v written to the pools (slots, K, D) at slot_mapping (N,) -> q roped (N, H, D). What
+// `apply_rope_qk` and the pool writes compute, in one call.
+at::Tensor rope_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                      const at::Tensor& sin, at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& slot_mapping) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
+                  k.size(2) == q.size(2) && k.scalar_type() == q.scalar_type() &&
+                  v.scalar_type() == q.scalar_type(),
+              "expected q (N, H, D), k and v (N, K, D) of one dtype, got ", q.sizes(), ", ", k.sizes(), ", ",
+              v.sizes());
+  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), K = k.size(1), Dr = cos.size(-1);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == N && sin.sizes() == cos.sizes() && Dr % 2 == 0 && Dr <= D,
+              "cos and sin must be (N, Dr), Dr even and at most ", D, ", got ", cos.sizes());
+  TORCH_CHECK(k_pool.dim() == 3 && k_pool.size(1) == K && k_pool.size(2) == D && v_pool.sizes() == k_pool.sizes(),
+              "pools ", k_pool.sizes(), " do not match k ", k.sizes());
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == N, "slot_mapping must be (N,) int64");
+  const auto slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n)
+    TORCH_CHECK(sp[n] >= 0 && sp[n] < k_pool.size(0), "slot ", sp[n], " is outside the pool's ", k_pool.size(0));
+  const auto cf = cos.to(at::kFloat).contiguous(), sf = sin.to(at::kFloat).contiguous();
+  const auto qc = q.contiguous(), kc = k.contiguous();
+  auto q_roped = at::empty_like(qc), k_roped = at::empty_like(kc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rope_write", [&] {
+    for (int64_t n = 0; n < N; ++n) {
+      const float* cn = cf.data_ptr<float>() + n * Dr;
+      const float* sn = sf.data_ptr<float>() + n * Dr;
+      rope_row<scalar_t>(qc.data_ptr<scalar_t>() + n * H * D, cn, sn, H, D, Dr, q_roped.data_ptr<scalar_t>() + n * H * D);
+      rope_row<scalar_t>(kc.data_ptr<scalar_t>() + n * K * D, cn, sn, K, D, Dr, k_roped.data_ptr<scalar_t>() + n * K * D);
+    }
+  });
+  k_pool.index_put_({slots}, k_roped.to(k_pool.scalar_type()));
+  v_pool.index_put_({slots}, v.to(v_pool.scalar_type()));
+  return q_roped;
+}
+
 // q (B, H, D), pools (slots, K, D) already holding this step's keys and values, slots (B, S) int64 (row b's
 // token j lies in pool slot slots[b, j]), positions (B,) int64 -> (B, H, D) in q's dtype: decode_attention
 // over a paged cache, reading each row's visible slots where its block table puts them.
@@ -244,9 +362,15 @@ EMBER_LIBRARY_FRAGMENT(EMBER_CPU_NAMESPACE, m) {
         " -> Tensor");
   m.def("paged_decode_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor slots, Tensor positions, "
         "float scale, int window) -> Tensor");
+  m.def("rope_decode_attention(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor positions, float scale, int window) -> Tensor");
+  m.def("rope_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, "
+        "Tensor slot_mapping) -> Tensor");
 }
 
 EMBER_LIBRARY_IMPL(EMBER_CPU_NAMESPACE, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("rope_decode_attention", &rope_decode_attention);
+  m.impl("rope_write", &rope_write);
 }
