@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "library.h"
@@ -220,20 +221,40 @@ __attribute__((optimize("fp-contract=off"))) void rope_row(const T* x, const flo
   }
 }
 
+// q (M, H, D) and k (M, K, D), one token a row, roped at that row's cos, sin (M, Dr); v (M, K, D) only checked
+// against them. -> (q roped, k roped), contiguous.
+std::pair<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                          const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
+                  k.size(2) == q.size(2) && k.scalar_type() == q.scalar_type() &&
+                  v.scalar_type() == q.scalar_type(),
+              "expected q (M, H, D), k and v (M, K, D) of one dtype, got ", q.sizes(), ", ", k.sizes(), ", ",
+              v.sizes());
+  const int64_t M = q.size(0), H = q.size(1), D = q.size(2), K = k.size(1), Dr = cos.size(-1);
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == M && sin.sizes() == cos.sizes() && Dr % 2 == 0 && Dr <= D,
+              "cos and sin must be (M, Dr), Dr even and at most ", D, ", got ", cos.sizes());
+  const auto cf = cos.to(at::kFloat).contiguous(), sf = sin.to(at::kFloat).contiguous();
+  const auto qc = q.contiguous(), kc = k.contiguous();
+  auto q_roped = at::empty_like(qc), k_roped = at::empty_like(kc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rope_qk", [&] {
+    for (int64_t m = 0; m < M; ++m) {
+      const float* cm = cf.data_ptr<float>() + m * Dr;
+      const float* sm = sf.data_ptr<float>() + m * Dr;
+      rope_row<scalar_t>(qc.data_ptr<scalar_t>() + m * H * D, cm, sm, H, D, Dr, q_roped.data_ptr<scalar_t>() + m * H * D);
+      rope_row<scalar_t>(kc.data_ptr<scalar_t>() + m * K * D, cm, sm, K, D, Dr, k_roped.data_ptr<scalar_t>() + m * K * D);
+    }
+  });
+  return {q_roped, k_roped};
+}
+
 // One decode step of a layer on a static cache, all in one call (an eager step ran ~20 aten ops for the rope
 // and the cache writes): q (B, H, D) and k (B, K, D) roped at cos, sin (B, Dr), k and v (B, K, D) written to
 // the caches (B', K, S, D) at slot positions[b], then `decode_attention` of the roped q. q, k, v of one dtype.
 at::Tensor rope_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                  const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                                  at::Tensor v_cache, const at::Tensor& positions, double scale, int64_t window) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
-                  k.size(2) == q.size(2) && k.scalar_type() == q.scalar_type() &&
-                  v.scalar_type() == q.scalar_type(),
-              "expected q (B, H, D), k and v (B, K, D) of one dtype, got ", q.sizes(), ", ", k.sizes(), ", ",
-              v.sizes());
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), K = k.size(1), Dr = cos.size(-1);
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == B && sin.sizes() == cos.sizes() && Dr % 2 == 0 && Dr <= D,
-              "cos and sin must be (B, Dr), Dr even and at most ", D, ", got ", cos.sizes());
+  auto [q_roped, k_roped] = rope_qk(q, k, v, cos, sin);
+  const int64_t B = q.size(0), D = q.size(2), K = k.size(1);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) >= B && k_cache.size(1) == K && k_cache.size(3) == D &&
                   v_cache.sizes() == k_cache.sizes(),
               "caches ", k_cache.sizes(), " do not match k ", k.sizes());
@@ -243,17 +264,6 @@ at::Tensor rope_decode_attention(const at::Tensor& q, const at::Tensor& k, const
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(pp[b] >= 0 && pp[b] < k_cache.size(2), "position ", pp[b], " is outside the cache's ",
                 k_cache.size(2), " slots");
-  const auto cf = cos.to(at::kFloat).contiguous(), sf = sin.to(at::kFloat).contiguous();
-  const auto qc = q.contiguous(), kc = k.contiguous();
-  auto q_roped = at::empty_like(qc), k_roped = at::empty_like(kc);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rope_decode_attention", [&] {
-    for (int64_t b = 0; b < B; ++b) {
-      const float* cb = cf.data_ptr<float>() + b * Dr;
-      const float* sb = sf.data_ptr<float>() + b * Dr;
-      rope_row<scalar_t>(qc.data_ptr<scalar_t>() + b * H * D, cb, sb, H, D, Dr, q_roped.data_ptr<scalar_t>() + b * H * D);
-      rope_row<scalar_t>(kc.data_ptr<scalar_t>() + b * K * D, cb, sb, K, D, Dr, k_roped.data_ptr<scalar_t>() + b * K * D);
-    }
-  });
   // This step's slot of each row and kv head, in the caches' dtype (converted as index_put converts).
   if (k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
       k_cache.stride(3) == 1 && v_cache.stride(3) == 1) {
@@ -285,14 +295,8 @@ at::Tensor rope_decode_attention(const at::Tensor& q, const at::Tensor& k, const
 // `apply_rope_qk` and the pool writes compute, in one call.
 at::Tensor rope_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
                       const at::Tensor& sin, at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && k.size(0) == q.size(0) &&
-                  k.size(2) == q.size(2) && k.scalar_type() == q.scalar_type() &&
-                  v.scalar_type() == q.scalar_type(),
-              "expected q (N, H, D), k and v (N, K, D) of one dtype, got ", q.sizes(), ", ", k.sizes(), ", ",
-              v.sizes());
-  const int64_t N = q.size(0), H = q.size(1), D = q.size(2), K = k.size(1), Dr = cos.size(-1);
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == N && sin.sizes() == cos.sizes() && Dr % 2 == 0 && Dr <= D,
-              "cos and sin must be (N, Dr), Dr even and at most ", D, ", got ", cos.sizes());
+  auto [q_roped, k_roped] = rope_qk(q, k, v, cos, sin);
+  const int64_t N = q.size(0), D = q.size(2), K = k.size(1);
   TORCH_CHECK(k_pool.dim() == 3 && k_pool.size(1) == K && k_pool.size(2) == D && v_pool.sizes() == k_pool.sizes(),
               "pools ", k_pool.sizes(), " do not match k ", k.sizes());
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == N, "slot_mapping must be (N,) int64");
@@ -300,17 +304,6 @@ at::Tensor rope_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n)
     TORCH_CHECK(sp[n] >= 0 && sp[n] < k_pool.size(0), "slot ", sp[n], " is outside the pool's ", k_pool.size(0));
-  const auto cf = cos.to(at::kFloat).contiguous(), sf = sin.to(at::kFloat).contiguous();
-  const auto qc = q.contiguous(), kc = k.contiguous();
-  auto q_roped = at::empty_like(qc), k_roped = at::empty_like(kc);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rope_write", [&] {
-    for (int64_t n = 0; n < N; ++n) {
-      const float* cn = cf.data_ptr<float>() + n * Dr;
-      const float* sn = sf.data_ptr<float>() + n * Dr;
-      rope_row<scalar_t>(qc.data_ptr<scalar_t>() + n * H * D, cn, sn, H, D, Dr, q_roped.data_ptr<scalar_t>() + n * H * D);
-      rope_row<scalar_t>(kc.data_ptr<scalar_t>() + n * K * D, cn, sn, K, D, Dr, k_roped.data_ptr<scalar_t>() + n * K * D);
-    }
-  });
   k_pool.index_put_({slots}, k_roped.to(k_pool.scalar_type()));
   v_pool.index_put_({slots}, v.to(v_pool.scalar_type()));
   return q_roped;
