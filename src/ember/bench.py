@@ -233,9 +233,7 @@ class BenchResult:
     device: str
     dtype: str
     quantize: str | None  # the resolved scheme ("int4-g128" for "int4")
-    compile: (
-        bool  # whether the decode step ran compiled (asked for, or an earlier run's package: decode_step)
-    )
+    compile: bool  # whether the decode step ran compiled (see decode_step)
     compile_prefill: bool
     threads: int
     prompt_tokens: int
@@ -255,9 +253,7 @@ class BenchResult:
     prefill_bandwidth_gb_s: float = 0.0
     prefill_bandwidth_pct: float | None = None
     runs: list[dict] = field(default_factory=list)
-    decode_step: str = (
-        "eager"  # "aoti" (the CPU package), "torch.compile" or "eager" (`Generator.decode_step`)
-    )
+    decode_step: str = "eager"  # "aoti", "torch.compile" or "eager" (`Generator.decode_step`)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -121,8 +121,8 @@ class StaticKVCache:
                 ahead,
             )  # (B, H, D)
             return out.unsqueeze(1)
-        eager = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-        if T == 1 and softcap is None and self._cpu_attention and eager:  # rope and writes in the same call
+        if T == 1 and softcap is None and self._cpu_attention and cpu_ext.eager_inference():
+            # rope, this step's cache writes and attention in one call
             cos, sin = rope
             out = torch.ops.ember_cpu.rope_decode_attention(
                 q.reshape(B, H, D), k.reshape(B, -1, D), v.reshape(B, -1, D), cos[:, 0], sin[:, 0],

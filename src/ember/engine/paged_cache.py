@@ -119,7 +119,7 @@ class PagedKVCache:
         b = self.batch
         assert b is not None
         k_pool, v_pool = self.k[layer], self.v[layer]
-        if self._cpu_attention and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        if self._cpu_attention and cpu_ext.eager_inference():
             cos, sin = rope  # eager: the rope and the writes in one call
             q = torch.ops.ember_cpu.rope_write(
                 q[0], k[0], v[0], cos[0], sin[0], k_pool, v_pool, b.slot_mapping

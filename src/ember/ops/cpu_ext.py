@@ -65,6 +65,13 @@ AMX_BF16_ROWS = 64
 ENV = "EMBER_CPU_KERNELS"
 
 
+def eager_inference() -> bool:
+    """Whether ops run now as an eager inference step (no autograd, nothing traced): where the kernels that
+    stand for several aten ops of an eager step (the norms, rope with the cache writes) run. A compiled step
+    keeps the plain ops, which inductor fuses with their neighbours."""
+    return not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
 def fits(out_features: int, in_features: int) -> bool:
     """Whether a projection (N, K) tiles for these kernels."""
     return out_features % TILE == 0 and in_features % BLOCK == 0

@@ -111,14 +111,12 @@ def _(x, delta, weight, eps, offset):
 
 def cpu_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a norm of x runs Ember's C++ CPU kernel (`ember.ops.cpu_ext`): eager inference on a CPU, x and the
-    weight float32 or bfloat16 alike. A compiled step keeps the plain ops, which inductor fuses with their
-    neighbours."""
+    weight float32 or bfloat16 alike."""
     return (
         x.device.type == "cpu"
         and x.dtype in (torch.float32, torch.bfloat16)
         and weight.dtype == x.dtype
-        and not torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
+        and cpu_ext.eager_inference()
         and cpu_ext.available()
     )
 
