@@ -29,8 +29,6 @@ from ember.loading.checkpoint import load
 from ember.quant import QUALITY_TEXT, linear, perplexity, quantize_model
 from ember.quant.cuda_int4 import round_row, unround_row
 
-TEXT = QUALITY_TEXT
-
 
 def round_rows(model: torch.nn.Module) -> torch.nn.Module:
     """`model` with each layer's qkv and gate/up inputs rounded as `round_row` rounds a bf16 row (in place)."""
@@ -99,7 +97,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     base = load(args.model, device="cpu", progress=False)
-    tokens = torch.tensor([base.tokenizer.encode(TEXT, add_special_tokens=False)])
+    tokens = torch.tensor([base.tokenizer.encode(QUALITY_TEXT, add_special_tokens=False)])
     ref = perplexity(base.model, tokens)
     print(
         f"{'scheme':<10}{'loaded with it':>16}{'vs float32':>12}"

@@ -230,18 +230,8 @@ def test_bench_says_how_it_decoded_and_reuses_a_compiled_step_unasked(tmp_path, 
     # On CPU, without --compile, a run decodes eagerly until a --compile run has built the AOTInductor step
     # for the model's shape; then it decodes with that one. --no-compile stays eager.
     monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
-    args = [
-        "bench",
-        "--random-weights",
-        "tiny",
-        "--device",
-        "cpu",
-        "--prompt-tokens",
-        "4",
-        "--new-tokens",
-        "3",
-    ]
-    args += ["--repeats", "1", "--warmup", "0"]
+    args = ["bench", "--random-weights", "tiny", "--device", "cpu"]
+    args += ["--prompt-tokens", "4", "--new-tokens", "3", "--repeats", "1", "--warmup", "0"]
 
     def bench(*extra: str) -> dict:
         assert main([*args, *extra, "--json"]) == 0

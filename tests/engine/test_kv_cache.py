@@ -36,3 +36,25 @@ def test_a_prompt_from_slot_0_attends_over_its_own_slots_as_over_all_of_them(win
                 run_cached(model, ids, T, max_seq_len=32, prompts_from_start=f) for f in (False, True)
             )
             torch.testing.assert_close(own, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_an_eager_cpu_decode_step_runs_the_fused_kernels():
+    # Each layer of an eager CPU decode step: its rope, cache writes and attention in one call, its norms in
+    # C++ (the fused ops' values are tested in tests/ops); a prompt keeps the plain rope and writes.
+    from ember.bench import random_model
+    from ember.engine.generate import Generator
+    from ember.engine.sampler import SamplingParams
+    from ember.ops import cpu_ext
+
+    if not cpu_ext.available():
+        pytest.skip("Ember's CPU kernels are not built on this machine")
+    model = random_model("tiny", device="cpu", dtype=torch.float32)
+    gen = Generator(model, device=torch.device("cpu"), context=64)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with torch.profiler.profile() as prof:
+        list(gen.generate([5, 6, 7], params, (), None))
+    calls = [e.name for e in prof.events()]
+    layers = model.config.num_layers
+    assert calls.count("ember_cpu::rope_decode_attention") == 3 * layers  # 3 decode steps after the prompt
+    assert calls.count("ember_cpu::add_rms_norm") >= 3 * (2 * layers - 1)
+    assert calls.count("aten::index_put_") == 2 * layers  # the prompt's writes only

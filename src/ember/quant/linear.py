@@ -568,9 +568,7 @@ class Int4WeightOnlyLinear(QuantLinear):
             # (and for a decode step's few rows) the activations' int8 codes.
             many = self._on_tile_unit(x2.shape[0])
             gemm = torch.ops.ember_cpu.int4_gemm_bf16 if many else torch.ops.ember_cpu.int4_gemv
-            if (
-                x2.dtype != torch.float32 or not x2.is_contiguous()
-            ):  # (no calls where it is: ~1 us each eager)
+            if x2.dtype != torch.float32 or not x2.is_contiguous():  # (no-op calls cost ~1 us each, eager)
                 x2 = x2.float().contiguous()
             y = gemm(x2, self._tiles, self._scale_min, self.group_size)
             y = y if y.dtype == x.dtype else y.to(x.dtype)
