@@ -786,3 +786,75 @@ def test_the_gguf_scheme_on_every_family(tmp_path, arch):
     # 1.5: on x86 CPUs the int4 projections' kernel takes the activations as int8 codes per block of 32 (its
     # weights are exact here), int8 weight-only as bf16; a wrong permutation or grid is many times off.
     assert 0 < err["gguf"] <= 1.5 * err["int8"], err
+
+
+def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_values(tmp_path):
+    """build_model(keep_int4=True), as a float32 CPU load of a GGUF file does (`keeps_int4`): projections whose
+    tensors are all 4-bit are the file's int4 codes computed with float activations; the others (a Q5_0 /
+    F16 part) and the output projection stay float. The logits are those of the model dequantized whole to
+    float32 rounding, with the same greedy tokens; a scheme asked of it afterwards quantizes the float
+    weights those codes stand for (int4-g32 keeps them)."""
+    from torch import nn
+
+    from ember.engine.kv_cache import StaticKVCache
+    from ember.loading.gguf import GGUFSource
+    from ember.loading.weights import build_model
+    from ember.models.registry import config_from_hf, get_family
+    from ember.ops import cpu_ext
+    from ember.quant import quantize_model
+    from ember.quant.linear import Int4WeightOnlyLinear
+
+    if not cpu_ext.available():
+        pytest.skip("Ember's CPU kernels are not built on this machine")
+    path = tmp_path / "q4.gguf"
+    _write_mixed_4bit(path)
+    reader = read_gguf(path)
+    cfg = config_from_hf(gguf_to_hf_config(reader))
+    kw = dict(device="cpu", dtype=torch.float32, origin=str(path), progress=False)
+    kept = build_model(cfg, get_family(cfg.architecture), GGUFSource(reader), keep_int4=True, **kw)
+    whole = _build(path, None)
+    float_sd = whole.state_dict()
+    for i in range(L):
+        for proj in _PROJS:
+            name = f"model.layers.{i}.{proj}"
+            module = kept.get_submodule(name)
+            if proj == "mlp.gate_up_proj":  # up is Q5_0 / F16
+                assert isinstance(module, nn.Linear)
+                assert torch.equal(module.weight, float_sd[f"{name}.weight"])
+            else:
+                assert isinstance(module, Int4WeightOnlyLinear) and module._kernel == "cpu_f32", name
+                assert torch.equal(module.dequantize(), float_sd[f"{name}.weight"]), name
+    assert isinstance(kept.lm_head, nn.Linear) and getattr(kept, "quantization", None) is None
+    tokens = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
+
+    def logits(m):
+        cache = StaticKVCache(m.config, batch_size=1, max_seq_len=12, device="cpu", dtype=torch.float32)
+        with torch.inference_mode():
+            steps = [m.compute_logits(m(tokens[:, :5], torch.arange(5)[None], cache))[0]]
+            for t in range(5, 8):  # decode steps: one row each
+                steps.append(m.compute_logits(m(tokens[:, t : t + 1], torch.tensor([[t]]), cache))[0])
+        return torch.cat(steps)
+
+    got, want = logits(kept), logits(whole)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for scheme in ("int4-g32", "int8"):
+        again = _build(path, scheme)  # as loading with the scheme: int4-g32 takes the 4-bit codes too
+        requantized = quantize_model(
+            build_model(cfg, get_family(cfg.architecture), GGUFSource(reader), keep_int4=True, **kw), scheme
+        )
+        assert requantized.quantization == again.quantization
+        assert torch.equal(logits(requantized), logits(again)), scheme
+
+
+def test_the_default_model_keeps_its_q4_1_projections_on_a_cpu(smollm2_gguf):
+    """`load` without a scheme, float32 on a CPU: SmolLM2's 120 Q4_1 projections kept as the file's codes;
+    quantize="none" and bfloat16 dequantize them, as before."""
+    from ember.loading.checkpoint import load
+    from ember.ops import cpu_ext
+
+    if not cpu_ext.available():
+        pytest.skip("Ember's CPU kernels are not built on this machine")
+    assert load(str(smollm2_gguf), device="cpu", progress=False).kept_int4 == 120
+    assert load(str(smollm2_gguf), device="cpu", quantize="none", progress=False).kept_int4 == 0
+    assert load(str(smollm2_gguf), device="cpu", dtype="bfloat16", progress=False).kept_int4 == 0

@@ -97,7 +97,7 @@ def test_loading_a_q4_gguf_as_int4_g32_keeps_the_files_weights(smollm2_gguf):
     from ember.quant import QUALITY_TEXT, perplexity
 
     q = load(str(smollm2_gguf), device="cpu", quantize="int4-g32", quant_cache=False, progress=False).model
-    loaded = load(str(smollm2_gguf), device="cpu", dtype="float32", progress=False)
+    loaded = load(str(smollm2_gguf), device="cpu", dtype="float32", quantize="none", progress=False)
     f = loaded.model
     ref = f.state_dict()
     names = [n for n in q.quantization["modules"] if n != "lm_head"]

@@ -66,6 +66,26 @@ def test_int4_gemv_is_its_twin(ops, group_size, rows):
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 37])
+def test_int4_gemv_f32_is_the_float_linear_on_the_dequantized_weights(ops, group_size, rows):
+    """Float activations as they are, float32 scales and mins (not rounded to float16: a GGUF Q4_K's factors
+    need more bits): the float64 linear on q * scale + min but for float32 sums. Every row count a tile meets
+    (1-8 at once; the per-row chains of 1-3 rows), a remainder, and a prefill's many."""
+    torch.manual_seed(group_size + rows)
+    N, K = 48, 512
+    (codes, scales, mins), qweight, _ = int4_weights(N, K, group_size)
+    scales = scales * (1 + torch.rand_like(scales) * 1e-3)  # factors no float16 holds
+    tiles, scale_min = cpu_ext.int4_tiles(qweight, scales, mins, torch.float32)
+    x = activations(rows, K)
+    want = cpu_ext.int4_f32_reference(x, qweight, scales, mins, group_size)
+    got = ops.int4_gemv_f32(x, tiles, scale_min, group_size)
+    assert (got - want).abs().max() <= 2e-6 * want.abs().max()
+    # float16 factors would be further off than that: the test can tell them apart
+    rounded = cpu_ext.int4_f32_reference(x, qweight, scales.half().float(), mins.half().float(), group_size)
+    assert (rounded - want).abs().max() > 2e-5 * want.abs().max()
+
+
 def amx_builds() -> tuple:
     """The native build and one without AMX, for CPUs whose kernels run on the tile unit (else a skip)."""
     if not cpu_ext.available() or not cpu_ext.amx_bf16():
@@ -217,6 +237,13 @@ def test_bad_operands_are_refused(ops):
         ops.int4_gemv(torch.zeros(1, 96), tiles, scale_min, 32)
     with pytest.raises(RuntimeError, match="float32"):
         ops.int4_gemv(torch.zeros(1, 64, dtype=torch.bfloat16), tiles, scale_min, 32)
+    with pytest.raises(RuntimeError, match=r"scale_min .* \(float32\)"):
+        ops.int4_gemv_f32(torch.zeros(1, 64), tiles, scale_min, 32)  # float16 factors
+    tiles, scale_min = cpu_ext.int4_tiles(
+        torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(16, 2), torch.float32
+    )
+    with pytest.raises(RuntimeError, match="does not tile K"):
+        ops.int4_gemv_f32(torch.zeros(1, 64), tiles, scale_min, 48)
 
 
 def test_modules_run_ember_kernels_and_int8_dyn_agrees_across_its_kernels():

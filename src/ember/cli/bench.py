@@ -66,6 +66,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    scheme = None if args.quantize == "none" else args.quantize
+    kept = 0
     # Refused before a model is built (one of real size can take minutes); argparse checked the scheme.
     if args.random_weights:
         given = args.model_option or args.model
@@ -81,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         check_context(args, bench_context(random_config(args.random_weights), args.max_seq_len))
         device = pick_device(args.device)
         dtype = pick_dtype(args.dtype, device)
-        model = random_model(args.random_weights, device=device, dtype=dtype, quantize=args.quantize)
+        model = random_model(args.random_weights, device=device, dtype=dtype, quantize=scheme)
         name = f"random:{args.random_weights}"
     else:
         from ember.loading.checkpoint import load
@@ -95,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             quantize=args.quantize,
             quant_cache=args.quant_cache,
         )
-        model, device, name = loaded.model, loaded.device, loaded.name
+        model, device, name, kept = loaded.model, loaded.device, loaded.name, loaded.kept_int4
         check_context(args, bench_context(model.config, args.max_seq_len))
     result = run_bench(
         model,
@@ -107,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         warmup=args.warmup,
         compile=args.compile,
         compile_prefill=args.compile_prefill,
-        quantize=args.quantize,
+        quantize=scheme,
         max_seq_len=args.max_seq_len,
     )
     if args.json:
@@ -125,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
     lines = [
         f"model     {r.model} ({r.dtype}, quantize={r.quantize or 'none'}, decode step {r.decode_step}, "
         f"compile_prefill={r.compile_prefill}) on {r.device}, {r.threads} threads",
-        f"weights   {r.weight_bytes_per_step / 1e6:.1f} MB read per decode step",
+        f"weights   {r.weight_bytes_per_step / 1e6:.1f} MB read per decode step"
+        + (f" ({kept} projections as the GGUF file's 4-bit codes)" if kept else ""),
         f"prefill   {r.prefill_tokens_per_s:9.1f} tok/s   {r.prefill_bandwidth_gb_s:.1f} GB/s"
         f"{share(r.prefill_bandwidth_pct)}, time to first token {r.time_to_first_token_s * 1e3:.1f} ms "
         f"({r.prompt_tokens} prompt tokens)",

@@ -28,11 +28,13 @@ def integer(minimum: int, maximum: int | None = None):
 
 
 def scheme(text: str) -> str:
-    """An argparse type: a quantization scheme (an empty one too is a usage error, not "none")."""
+    """An argparse type: a quantization scheme, or "none" (an empty one is a usage error, not "none")."""
     from ember.quant import SCHEMES
 
-    if text not in SCHEMES:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a scheme; expected one of {', '.join(SCHEMES)}")
+    if text not in (*SCHEMES, "none"):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a scheme; expected one of {', '.join(SCHEMES)} or none"
+        )
     return text
 
 
@@ -93,7 +95,9 @@ def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = Fal
         default=None,
         metavar="SCHEME",
         help="quantize weights after loading: int8, int4 (group 128), int4-g32/g64/g256, int8-dyn (CPU), "
-        "gguf (a GGUF file's own: its 4-bit tensors as int4, the rest int8)",
+        "gguf (a GGUF file's own: its 4-bit tensors as int4, the rest int8), none (every weight dequantized "
+        "to --dtype). Default: none, but on a CPU a GGUF file's 4-bit projections stay as they are, computed "
+        "in float32 (the dequantized model's values, from a fraction of the bytes)",
     )
     parser.add_argument(
         "--quant-cache",

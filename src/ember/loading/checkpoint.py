@@ -45,6 +45,8 @@ class LoadedModel:
     load_s: float = 0.0
     # "hit" or "miss" when the quantized weights went through the quantized-weights cache; None otherwise.
     quant_cache: str | None = None
+    # Projections kept as the GGUF file's own 4-bit codes, computed with float activations (`keeps_int4`).
+    kept_int4: int = 0
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -102,6 +104,19 @@ def source_files(resolved: ResolvedModel) -> list[Path]:
     return sorted(p for p in resolved.path.iterdir() if p.name == "config.json" or p.suffix in suffixes)
 
 
+def keeps_int4(fmt: str, quantize: str | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether loading a checkpoint of format `fmt` without a scheme keeps its 4-bit projections as they are
+    (`ember.loading.weights.build_model(keep_int4=True)`): a GGUF file, float32 on a CPU where Ember's CPU
+    kernels run. Those projections then compute the float model's values (float activations, float32 sums)
+    from the file's 4.5-5 bits a weight instead of dequantized float32: SmolLM2-135M Q4_1 decodes ~3x faster
+    on 2 cores (BENCHMARKS.md). quantize="none" dequantizes everything, as elsewhere."""
+    if fmt != "gguf" or quantize is not None or device.type != "cpu" or dtype != torch.float32:
+        return False
+    from ember.ops import cpu_ext
+
+    return cpu_ext.available()
+
+
 def load(
     name: str | Path,
     *,
@@ -113,6 +128,8 @@ def load(
     quant_cache: bool = True,
 ) -> LoadedModel:
     """`quantize` names an `ember.quant` scheme (int8, int4, int4-g32, int8-dyn ...) applied after loading.
+    Without one, a GGUF file's 4-bit projections stay as they are on a CPU (`keeps_int4`); "none": every
+    weight dequantized to `dtype`.
 
     With `quant_cache` (the default) a quantized model comes from, or is saved to, the quantized-weights
     cache (`ember.quant.cache`), so the float weights are read and quantized once per checkpoint and scheme.
@@ -121,6 +138,9 @@ def load(
     resolved: ResolvedModel = resolve(name)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
+    dequantize = quantize == "none"
+    quantize = None if dequantize else quantize
+    keep_int4 = not dequantize and keeps_int4(resolved.format, quantize, dev, dt)
     gen_defaults: dict = {}
     if quantize == "gguf" and resolved.format != "gguf":
         from ember.quant import not_gguf
@@ -138,7 +158,7 @@ def load(
 
         def weights() -> WeightSource:
             # Quantizing: one GGUF tensor dequantized at a time. Float: all at once, on several threads.
-            if quantize:
+            if quantize or keep_int4:
                 return gguf.GGUFSource(reader, dtype=dt)
             return DictSource(gguf.load_gguf_state_dict(reader, dtype=dt))
 
@@ -165,7 +185,15 @@ def load(
         # scheme, each projection is quantized as it is read, so the float model never exists whole.
         origin = str(resolved.path)
         return build_model(
-            cfg, family, weights(), device=dev, dtype=dt, origin=origin, progress=progress, quantize=quantize
+            cfg,
+            family,
+            weights(),
+            device=dev,
+            dtype=dt,
+            origin=origin,
+            progress=progress,
+            quantize=quantize,
+            keep_int4=keep_int4,
         )
 
     cache_state = None
@@ -198,6 +226,7 @@ def load(
         generation_defaults=gen_defaults,
         load_s=time.perf_counter() - start,
         quant_cache=cache_state,
+        kept_int4=sum(getattr(m, "float_activations", False) for m in model.modules()),
     )
     log.info("loaded %s (%s, %s) on %s in %.1f s", resolved.name, cfg.architecture, dt, dev, loaded.load_s)
     return loaded

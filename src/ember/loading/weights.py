@@ -107,17 +107,26 @@ def build_model(
     origin: str,
     progress: bool = True,
     quantize: str | None = None,
+    keep_int4: bool = False,
 ) -> Decoder:
-    """Materialises a Decoder for `cfg` from `source`; `origin` names the checkpoint in error messages."""
+    """Materialises a Decoder for `cfg` from `source`; `origin` names the checkpoint in error messages.
+
+    keep_int4 (without `quantize`): the projections the source holds in 4-bit blocks that are int4 groups of 32
+    (GGUF's Q4_0 / Q4_1 / Q4_K) stay those codes, computed with float activations
+    (`Int4WeightOnlyLinear.float_activations`): the float model's values, without its float weights. The rest
+    is read as float, as without it."""
+    from ember.quant import GGUF_GROUP, QuantSpec, check_fits, quantized_projections
+    from ember.quant.linear import Int4WeightOnlyLinear
+
     with torch.device("meta"):
         model = Decoder(cfg)
     spec, targets = None, set()
+    keep_int4 = keep_int4 and not quantize and hasattr(source, "get_int4")
     if quantize:
-        from ember.quant import QuantSpec, check_fits
-        from ember.quant.linear import Int4WeightOnlyLinear
-
         spec = QuantSpec.parse(quantize)
         targets = set(check_fits(model, spec))  # refuses a scheme that does not fit before reading anything
+    elif keep_int4:
+        targets = set(quantized_projections(model))
     available = source.names()
     if family.rename is not None:
         renamed = {family.rename(n): n for n in available}
@@ -152,7 +161,7 @@ def build_model(
     if unexpected:
         raise CheckpointError(f"{origin}: unexpected weights for {cfg.architecture}: {_describe(unexpected)}")
 
-    if not quantize:  # quantizing, each projection shrinks as it is read: the float model never exists whole
+    if not quantize and not keep_int4:  # else each projection shrinks as it is read: no whole float model
         check_memory(
             model,
             dtype,
@@ -176,8 +185,9 @@ def build_model(
 
     # A source that holds 4-bit weights in int4's groups (GGUF's Q4_0 / Q4_1 / Q4_K, groups of 32) gives
     # their codes as they are: no dequantize and quantize again, and the file's own grid kept exactly.
-    takes_int4 = spec is not None and spec.scheme in ("int4", "gguf")
+    takes_int4 = keep_int4 or (spec is not None and spec.scheme in ("int4", "gguf"))
     get_int4 = getattr(source, "get_int4", None) if takes_int4 else None
+    group_size = GGUF_GROUP if spec is None else spec.group_size
 
     def read_int4(name: str) -> tuple[torch.Tensor, ...] | None:
         groups, stack = plan[name]
@@ -185,7 +195,7 @@ def build_model(
             return None
         parts = []
         for p in groups[0]:  # a fused projection is taken whole or not at all
-            if (part := get_int4(renamed[p], spec.group_size)) is None:
+            if (part := get_int4(renamed[p], group_size)) is None:
                 return None
             parts.append(part)
         codes, scales, mins = (torch.cat(t) for t in zip(*parts, strict=True))
@@ -206,9 +216,14 @@ def build_model(
             bias = read(f"{module}.bias") if f"{module}.bias" in plan else None
             if (int4 := read_int4(name)) is not None:
                 swapped[module] = Int4WeightOnlyLinear.from_codes(*int4, bias, dtype)
+                swapped[module].float_activations = spec is None
                 swapped[module].prepare()
-                continue
-            swapped[module] = spec.quantize(read(name), bias)
+            elif spec is None:  # keep_int4, and the source does not hold this one in 4 bits: float
+                state[name] = read(name)
+                if bias is not None:
+                    state[f"{module}.bias"] = bias
+            else:
+                swapped[module] = spec.quantize(read(name), bias)
     unassigned, _ = model.load_state_dict(state, strict=False, assign=True)
     assert {n.rpartition(".")[0] for n in unassigned if n not in tied} <= set(swapped), unassigned
     for module, quantized in swapped.items():

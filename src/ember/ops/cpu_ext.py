@@ -161,6 +161,7 @@ def load(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> str:
             torch.ops.load_library(str(build(namespace, flags)))
             fakes = (
                 ("int4_gemv", _int4_fake),
+                ("int4_gemv_f32", _int4_fake),
                 ("int4_gemm_bf16", _int4_fake),
                 ("int4_silu_gate_up_bf16", _int4_glu_fake),
                 ("int8_gemv", _int8_fake),
@@ -236,10 +237,11 @@ def _attention_fake(q, *args):
 
 
 def int4_tiles(
-    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, factors: torch.dtype = torch.float16
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Canonical int4 nibbles (N, K/2) (low = even k) and their (N, K/g) scales and mins -> `int4_gemv`'s
-    packed codes (N/16, K/32 * 256) uint8 and scale_min (N/16, K/g, 2, 16) float16."""
+    packed codes (N/16, K/32 * 256) uint8 and scale_min (N/16, K/g, 2, 16) in `factors` (float16; float32
+    for `int4_gemv_f32`)."""
     N, G = scales.shape
     K = qweight.shape[1] * 2
     codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(N, K)
@@ -248,7 +250,7 @@ def int4_tiles(
     c = codes.reshape(N // TILE, TILE, K // BLOCK, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
     packed = (c[..., 0] | (c[..., 1] << 4)).reshape(N // TILE, K // BLOCK * 256)
     sm = torch.stack([t.reshape(N // TILE, TILE, G).transpose(1, 2) for t in (scales, mins)], dim=2)
-    return packed.contiguous(), sm.to(torch.float16).contiguous()
+    return packed.contiguous(), sm.to(factors).contiguous()
 
 
 def int8_tiles(qweight: torch.Tensor) -> torch.Tensor:
@@ -289,6 +291,17 @@ def int4_reference(
     """`int4_gemv` in plain torch, from the canonical operands: the activations quantized per block of 32,
     times the weights q * scale + min with scale and min rounded to float16 (the kernel's)."""
     return F.linear(quantize_blocks(x.float()), _int4_weights(qweight, scales, mins, group_size))
+
+
+def int4_f32_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """`int4_gemv_f32` in plain torch: the float linear on the weights q * scale + min (float32 factors), summed
+    in float64 (the kernel's float32 sums differ from it by their rounding alone)."""
+    N, G = scales.shape
+    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(N, G, group_size).double()
+    w = (codes * scales.double()[..., None] + mins.double()[..., None]).reshape(N, -1)
+    return F.linear(x.double(), w).float()
 
 
 def int4_bf16_reference(

@@ -176,6 +176,15 @@ def quantize_model(model: nn.Module, scheme: str, *, output: bool = True) -> nn.
     schemes: dict[str, str] = {}
     for name in names:
         module = model.get_submodule(name)
+        if getattr(module, "float_activations", False):  # a checkpoint's own 4-bit codes kept by a float load
+            if spec.takes(module):  # those codes are this scheme's: kept, for the scheme's kernels
+                module.float_activations = False
+                module.prepare()
+            else:  # quantized as the float weights they stand for
+                module = spec.quantize(module.dequantize().to(module.dtype), module.bias)
+                _set(model, name, module)
+            schemes[name] = _module_scheme(module)
+            continue
         if isinstance(module, QuantLinear):  # quantized as it was loaded
             if not spec.takes(module):
                 raise EmberError(f"{name} was loaded as {_module_scheme(module)}, not {spec.name}")

@@ -309,6 +309,10 @@ class Int4WeightOnlyLinear(QuantLinear):
         self.register_buffer("mins", torch.zeros(out_features, G, dtype=torch.float32))
         self._splits = 1  # runs of K the tiled one-row GEMV adds up, set by `prepare` (`split_forward`)
         self._whole_rows = False  # set by `prepare` (`fused_silu_gate_up`)
+        # The float linear's values on the dequantized weights (a checkpoint's own 4-bit weights kept as they
+        # are, `ember.loading.weights.build_model(keep_int4=True)`): on a CPU, `cpu_ext.int4_gemv_f32`, never
+        # the kernels that round the activations (to int8 codes or bf16). Set before `prepare`.
+        self.float_activations = False
 
     @classmethod
     def from_float(cls, linear: nn.Linear, group_size: int = 128) -> Int4WeightOnlyLinear:
@@ -378,6 +382,9 @@ class Int4WeightOnlyLinear(QuantLinear):
           On a 2-core Zen 4 it runs SmolLM2's projections at one row in 0.26-0.43x the time of torch's kernel
           and at 16 in 0.29-0.41x; a compiled prefill with it takes 0.56x (128 tokens) to 0.69x (500) the
           time of the dequantize + bf16 GEMM path below (BENCHMARKS.md).
+        - "cpu_f32": with `float_activations`, on CPUs where "cpu_dot" runs and in float32, Ember's C++ kernel
+          for float activations (`cpu_ext.int4_gemv_f32`): the float linear's values on the dequantized weights
+          but for the order of the sums, from 4.5-6 bits a weight instead of 32.
         - "tinygemm": torch's int4 kernels (`_weight_int4pack_mm*`, `tinygemm_layout`), on other CPUs where N is
           a multiple of 16 (the CPU packing's rows), and on CUDA for bf16 projections that do not tile.
         - "triton": Ember's canonical-layout GEMV for the rest (on CPU: dequantize and matmul).
@@ -387,8 +394,14 @@ class Int4WeightOnlyLinear(QuantLinear):
         self._whole_rows = False  # decode GEMVs by the CUDA C++ int4 kernel over whole rows of K
         inner = next((t for t in (8, 4, 2) if self.in_features % (16 * t) == 0), None)
         cuda_ok = self.dtype == torch.bfloat16 and self.out_features % 8 == 0 and inner is not None
-        if dev.type == "cpu" and cpu_ext.fits(self.out_features, self.in_features) and cpu_ext.available():
+        cpu_kernels = dev.type == "cpu" and cpu_ext.fits(self.out_features, self.in_features)
+        if cpu_kernels and self.float_activations:
+            float32 = self.dtype == torch.float32 and cpu_ext.available()
+            self._kernel = "cpu_f32" if float32 else "triton"  # (on CPU "triton" dequantizes, float matmul)
+        elif cpu_kernels and cpu_ext.available():
             self._kernel = "cpu_dot"
+        elif dev.type == "cpu" and self.float_activations:
+            self._kernel = "triton"
         elif dev.type == "cpu":
             self._kernel = "tinygemm" if self.out_features % 16 == 0 else "triton"
         elif (
@@ -408,6 +421,10 @@ class Int4WeightOnlyLinear(QuantLinear):
             tiles, scale_min = cpu_ext.int4_tiles(self.qweight, self.scales, self.mins)
             self.register_buffer("_tiles", tiles, persistent=False)
             self.register_buffer("_scale_min", scale_min, persistent=False)
+        elif self._kernel == "cpu_f32":
+            tiles, scale_min = cpu_ext.int4_tiles(self.qweight, self.scales, self.mins, torch.float32)
+            self.register_buffer("_tiles", tiles, persistent=False)
+            self.register_buffer("_scale_min_f32", scale_min, persistent=False)
         elif self._kernel == "tinygemm":
             packed, sz = tinygemm_layout(self.qweight, self.scales, self.mins, inner or 8)
             self.register_buffer("_packed", packed, persistent=False)
@@ -440,6 +457,7 @@ class Int4WeightOnlyLinear(QuantLinear):
         """What one row reads (a decode step's bytes)."""
         kinds = {
             "cpu_dot": ("_tiles", "_scale_min"),
+            "cpu_f32": ("_tiles", "_scale_min_f32"),
             "tinygemm": ("_packed", "_sz"),
             "mma": ("_words", "_msz"),
             "tiled": ("_words", "_tsz"),
@@ -571,6 +589,11 @@ class Int4WeightOnlyLinear(QuantLinear):
             if x2.dtype != torch.float32 or not x2.is_contiguous():  # (no-op calls cost ~1 us each, eager)
                 x2 = x2.float().contiguous()
             y = gemm(x2, self._tiles, self._scale_min, self.group_size)
+            y = y if y.dtype == x.dtype else y.to(x.dtype)
+        elif self._kernel == "cpu_f32":
+            if x2.dtype != torch.float32 or not x2.is_contiguous():
+                x2 = x2.float().contiguous()
+            y = torch.ops.ember_cpu.int4_gemv_f32(x2, self._tiles, self._scale_min_f32, self.group_size)
             y = y if y.dtype == x.dtype else y.to(x.dtype)
         elif self._kernel == "tinygemm":
             # bf16 activations: the only dtype of the CUDA kernel, and the CPU kernel's float32 path is not

@@ -112,6 +112,10 @@ inline __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_e
 inline __m512i high_nibbles(__m512i v) {
   return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
 }
+// Byte j of each lane's 4 (its code once the nibbles are masked), as the lane's int32.
+inline I16 code_byte(__m512i v, int j) {
+  return {_mm512_and_si512(_mm512_srli_epi32(v, 8 * j), _mm512_set1_epi32(0xFF))};
+}
 inline I16 iadd(I16 a, I16 b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline I16 isub_scalar(I16 a, int32_t s) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(s))}; }
 inline F16x fzero() { return {_mm512_setzero_ps()}; }
@@ -124,6 +128,7 @@ inline F16x load_float(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline F16x fmul_scalar(F16x a, float s) { return {_mm512_mul_ps(a.v, _mm512_set1_ps(s))}; }
 inline F16x fma(F16x a, F16x b, F16x c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline F16x fmul(F16x a, F16x b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline F16x fadd(F16x a, F16x b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline void store(float* p, F16x a) { _mm512_storeu_ps(p, a.v); }
 // int8 weights are stored plus 128, so a dot product of unsigned weights over one block of activations
 // counts 128 * sum(xq) too: subtract it once per block.
@@ -165,6 +170,10 @@ inline W64 high_nibbles(W64 v) {
   __m256i m = _mm256_set1_epi8(0x0F);
   return {_mm256_and_si256(_mm256_srli_epi16(v.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(v.hi, 4), m)};
 }
+inline I16 code_byte(W64 v, int j) {
+  const __m256i byte = _mm256_set1_epi32(0xFF);
+  return {_mm256_and_si256(_mm256_srli_epi32(v.lo, 8 * j), byte), _mm256_and_si256(_mm256_srli_epi32(v.hi, 8 * j), byte)};
+}
 inline I16 iadd(I16 a, I16 b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 inline I16 isub_scalar(I16 a, int32_t s) {
   __m256i v = _mm256_set1_epi32(s);
@@ -186,6 +195,7 @@ inline F16x fma(F16x a, F16x b, F16x c) {
   return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
 inline F16x fmul(F16x a, F16x b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline F16x fadd(F16x a, F16x b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline void store(float* p, F16x a) {
   _mm256_storeu_ps(p, a.lo);
   _mm256_storeu_ps(p + 8, a.hi);
@@ -234,6 +244,11 @@ inline W64 high_nibbles(W64 w) {
   for (auto& b : w.b) b >>= 4;
   return w;
 }
+inline I16 code_byte(const W64& w, int j) {
+  I16 c;
+  for (int l = 0; l < kTile; ++l) c.v[l] = w.b[4 * l + j];
+  return c;
+}
 inline I16 iadd(I16 a, I16 b) {
   for (int l = 0; l < kTile; ++l) a.v[l] += b.v[l];
   return a;
@@ -273,6 +288,10 @@ inline F16x fma(F16x a, F16x b, F16x c) {
 }
 inline F16x fmul(F16x a, F16x b) {
   for (int l = 0; l < kTile; ++l) a.v[l] *= b.v[l];
+  return a;
+}
+inline F16x fadd(F16x a, F16x b) {
+  for (int l = 0; l < kTile; ++l) a.v[l] += b.v[l];
   return a;
 }
 inline void store(float* p, F16x a) { std::memcpy(p, a.v, sizeof(a.v)); }
@@ -362,6 +381,45 @@ void int4_tile(const uint8_t* w, const at::Half* sm, const int8_t* xq, const flo
     const F16x scale = load_half(s), mn = load_half(s + kTile);
     for (int r = 0; r < R; ++r)
       acc[r] = add_block(acc[r], sums[r], scale, mn, d[r * KB + b], dsum[r * KB + b]);
+  }
+  for (int r = 0; r < R; ++r) store(out + r * N, acc[r]);
+}
+
+// R float activation rows (x + r * K, their sums per group of k at xs + r * G) against one int4 tile with
+// float32 scale_min (G, 2, 16): out[r * N + l] = sum_g scale * sum_k q x + min * sum_k x, the products in
+// float32. C independent sums a row per group (C R <= 4 registers), so that one row is not one chain of FMAs.
+template <int R>
+void int4_tile_f32(const uint8_t* w, const float* sm, const float* x, const float* xs, int64_t K,
+                   int64_t group_size, float* out, int64_t N) {
+  constexpr int C = R >= 4 ? 1 : 4 / R;
+  const int64_t G = K / group_size, blocks = group_size / kBlock;
+  F16x acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = fzero();
+  for (int64_t g = 0; g < G; ++g) {
+    F16x part[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) part[r][c] = fzero();
+    for (int64_t b = g * blocks; b < (g + 1) * blocks; ++b) {
+      const uint8_t* wb = w + b * 256;
+      for (int i = 0; i < 4; ++i) {
+        const auto v = load64(wb + 64 * i);
+        const auto low = low_nibbles(v), high = high_nibbles(v);
+        for (int j = 0; j < 4; ++j) {  // k = 4i + j (low nibbles) and 16 + 4i + j (high)
+          const F16x ql = to_float(code_byte(low, j)), qh = to_float(code_byte(high, j));
+          for (int r = 0; r < R; ++r) {
+            const float* xb = x + r * K + b * kBlock + 4 * i + j;
+            part[r][(2 * j) % C] = fma(ql, fset(xb[0]), part[r][(2 * j) % C]);
+            part[r][(2 * j + 1) % C] = fma(qh, fset(xb[16]), part[r][(2 * j + 1) % C]);
+          }
+        }
+      }
+    }
+    const F16x scale = load_float(sm + g * 2 * kTile), mn = load_float(sm + g * 2 * kTile + kTile);
+    for (int r = 0; r < R; ++r) {
+      F16x sum = part[r][0];
+      for (int c = 1; c < C; ++c) sum = fadd(sum, part[r][c]);
+      acc[r] = fma(sum, scale, fma(mn, fset(xs[r * G + g]), acc[r]));
+    }
   }
   for (int r = 0; r < R; ++r) store(out + r * N, acc[r]);
 }
@@ -565,6 +623,43 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 #if defined(EMBER_AMX)
     if (amx_rows > 0) _tile_release();
 #endif
+  });
+  return out;
+}
+
+// y = x @ w.T in float32 with int4 weights as they are: x not rounded, w = q * scale + min with float32 factors
+// (scale_min (N/16, K/g, 2, 16)), each group's products summed, then scaled. The float linear's values on the
+// dequantized weights but for the order of the sums: a GGUF file's 4-bit weights computed without a float
+// copy of them.
+at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
+                         int64_t group_size) {
+  check_operands(x, packed, 256);
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
+  TORCH_CHECK(group_size % kBlock == 0 && K % group_size == 0, "group size ", group_size, " does not tile K = ", K);
+  const int64_t G = K / group_size;
+  TORCH_CHECK(scale_min.scalar_type() == at::kFloat && scale_min.is_contiguous() &&
+                  scale_min.numel() == tiles * G * 2 * kTile,
+              "scale_min ", scale_min.sizes(), " does not match ", tiles, " tiles of ", G, " groups (float32)");
+  auto out = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  std::vector<float> xs(M * G);  // each row's sum of x over each group: the min term's factor
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) s += xp[m * K + k];
+      xs[m * G + g] = s;
+    }
+  }
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scale_min.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      by_rows(M, [&](auto R, int64_t m) {
+        int4_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 256, sp + t * G * 2 * kTile, xp + m * K,
+                                          &xs[m * G], K, group_size, op + m * N + t * kTile, N);
+      });
+    }
   });
   return out;
 }
@@ -778,6 +873,7 @@ bool amx_bf16() {
 
 EMBER_LIBRARY_FRAGMENT(EMBER_CPU_NAMESPACE, m) {
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
+  m.def("int4_gemv_f32(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("simd() -> str");
   m.def("int4_gemm_bf16(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
@@ -787,6 +883,7 @@ EMBER_LIBRARY_FRAGMENT(EMBER_CPU_NAMESPACE, m) {
 
 EMBER_LIBRARY_IMPL(EMBER_CPU_NAMESPACE, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
+  m.impl("int4_gemv_f32", &int4_gemv_f32);
   m.impl("int8_gemv", &int8_gemv);
 #if defined(EMBER_AMX_BF16)
   m.impl("int4_gemm_bf16", &int4_gemm_bf16);
