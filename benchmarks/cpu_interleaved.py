@@ -55,7 +55,11 @@ class LlamaCppSteps:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--scheme", default="int4-g32", help="Ember's --quantize scheme ('none' for float32)")
+    ap.add_argument(
+        "--scheme",
+        default="int4-g32",
+        help="Ember's --quantize scheme ('none': float32; 'default': no scheme, the file's 4-bit projections kept)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -70,7 +74,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    scheme = None if args.scheme == "none" else args.scheme
+    scheme = None if args.scheme == "default" else args.scheme
     loaded = load(DEFAULT_MODEL, device="cpu", progress=False, quantize=scheme)
     prompt = torch.randint(3, loaded.config.vocab_size, (128,), generator=torch.Generator().manual_seed(0))
     prompt = prompt.tolist()

@@ -104,6 +104,7 @@ def bench_ember(quantize: str | None, compile: bool, aoti: bool = True) -> dict:
     os.environ["EMBER_AOTI"] = "1" if aoti else "0"  # read when the Generator is made
 
     loaded = load("smollm2-135m-instruct", device="cpu", progress=False, quantize=quantize)
+    scheme = None if quantize in (None, "none") else quantize
     r = run_bench(
         loaded.model,
         name=loaded.name,
@@ -114,9 +115,10 @@ def bench_ember(quantize: str | None, compile: bool, aoti: bool = True) -> dict:
         warmup=1,
         compile=compile,
         compile_prefill=compile,
-        quantize=quantize,
+        quantize=scheme,
     )
-    label = f"ember {quantize or 'fp32'}{(' AOTI' if aoti else ' torch.compile') if compile else ''}"
+    name = {None: "fp32 (Q4_1 projections kept)", "none": "fp32"}.get(quantize, quantize)
+    label = f"ember {name}{(' AOTI' if aoti else ' torch.compile') if compile else ''}"
     return dict(
         engine=label,
         prefill_tok_s=r.prefill_tokens_per_s,
@@ -129,7 +131,12 @@ def bench_ember(quantize: str | None, compile: bool, aoti: bool = True) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--ember", nargs="*", default=["none", "int4-g32", "int8-dyn"], help="quantize schemes")
+    ap.add_argument(
+        "--ember",
+        nargs="*",
+        default=["default", "none", "int4-g32", "int8-dyn"],
+        help="quantize schemes; default: none given (the file's 4-bit projections kept), none: dequantized",
+    )
     ap.add_argument(
         "--torch-compile", action="store_true", help="also run each scheme with torch.compile's decode step"
     )
@@ -137,7 +144,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     rows = [bench_llama_cpp(args.threads), bench_transformers()]
     for q in args.ember:
-        rows.append(bench_ember(None if q == "none" else q, compile=True))
+        rows.append(bench_ember(None if q == "default" else q, compile=True))
         if args.torch_compile:
             rows.append(bench_ember(None if q == "none" else q, compile=True, aoti=False))
     for r in rows:

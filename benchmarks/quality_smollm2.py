@@ -96,7 +96,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(2)
-    base = load(args.model, device="cpu", progress=False)
+    base = load(args.model, device="cpu", progress=False, quantize="none")
     tokens = torch.tensor([base.tokenizer.encode(QUALITY_TEXT, add_special_tokens=False)])
     ref = perplexity(base.model, tokens)
     print(
@@ -106,14 +106,16 @@ def main() -> None:
     )
     print(f"{'float32':<10}{ref:>16.4f}")
     if args.rounded_rows:
-        r = perplexity(round_rows(load(args.model, device="cpu", progress=False).model), tokens)
+        r = perplexity(
+            round_rows(load(args.model, device="cpu", progress=False, quantize="none").model), tokens
+        )
         print(
             f"{'rounded':<10}{r:>16.4f}{100 * (r - ref) / ref:>+11.2f}%   (float32, qkv and gate/up rows in int8)"
         )
     if args.carried_norms:
         ppl = {}
         for carried in (False, True):
-            model = load(args.model, device="cpu", dtype="bfloat16", progress=False).model
+            model = load(args.model, device="cpu", dtype="bfloat16", progress=False, quantize="none").model
             ppl[carried] = decode_perplexity(
                 as_cuda_gemvs(quantize_model(model, "int4-g64"), carried), tokens
             )
@@ -133,7 +135,8 @@ def main() -> None:
         line = f"{scheme:<10}{a:>16.4f}{100 * (a - ref) / ref:>+11.2f}%"
         if scheme != "gguf":  # chosen while loading a GGUF file only
             b = perplexity(
-                quantize_model(load(args.model, device="cpu", progress=False).model, scheme), tokens
+                quantize_model(load(args.model, device="cpu", progress=False, quantize="none").model, scheme),
+                tokens,
             )
             line += f"{b:>24.4f}{100 * (b - ref) / ref:>+11.2f}%"
         else:
