@@ -15,6 +15,11 @@
 // next group's activations) while it multiplies one; KW warps of a block share a tile, each taking every
 // KW-th group of the run, and add their sums in shared memory, so K is split without float32 partials
 // leaving the kernel; programmatic dependent launch, the first weights loading before griddepcontrol.wait.
+// What the kernel before wrote (the activations, FOLD's sums of squares) is read with ld.global.ca (__ldca:
+// L1 and L2, coherent once griddepcontrol.wait returns), never through the read-only cache (__ldg,
+// ld.global.nc, whose contract is that nothing changes while the kernel lives): with programmatic dependent
+// launch this kernel starts while that one still writes, and stale lines there made greedy decoding differ run
+// to run (H100, thirty-sixth session; from L2 alone, ld.global.cg, int4 steps took 6% longer).
 //
 // ASYNC: the DEPTH groups in flight wait in shared memory instead of registers (cp.async, each lane copying
 // and later reading back its own 16-byte words, so nothing but cp.async.wait_group orders them). A warp's
@@ -78,10 +83,11 @@ __device__ __forceinline__ u32 operand(u32 v) {
   return r;
 }
 
-// *p, through the read-only cache where it is global memory (GLOBAL), else from shared memory.
+// *p, by ld.global.ca where it is global memory (GLOBAL: a row the kernel before wrote), else from shared
+// memory.
 template <bool GLOBAL, typename T>
 __device__ __forceinline__ T read(const T* p) {
-  return GLOBAL ? __ldg(p) : *p;
+  return GLOBAL ? __ldca(p) : *p;
 }
 
 // D = A B + the accumulators' start, an int32 start of MAGIC's bits: the sum (|sum| < 2^22) then reads as the
@@ -139,7 +145,7 @@ __device__ __forceinline__ void round_row(const u16* __restrict__ x, int K, unsi
 #pragma unroll
     for (int b = 0; b < BATCH; ++b) {
       const int c = c0 + b * WARPS * 32 + lane;
-      v[b] = c < chunks ? __ldg(reinterpret_cast<const uint4*>(x) + c) : make_uint4(0u, 0u, 0u, 0u);
+      v[b] = c < chunks ? __ldca(reinterpret_cast<const uint4*>(x) + c) : make_uint4(0u, 0u, 0u, 0u);
     }
 #pragma unroll
     for (int b = 0; b < BATCH; ++b) {
@@ -285,8 +291,8 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
     if (A8) {
       xc8[s] = load8<A8 == 2>(xr, xscale, xsum, min(first, top) * GS + s);
     } else {
-      xc[s][0] = __ldg(xp + (min(first, top) * GS + s) * 8);
-      xc[s][1] = __ldg(xp + (min(first, top) * GS + s) * 8 + 1);
+      xc[s][0] = __ldca(xp + (min(first, top) * GS + s) * 8);
+      xc[s][1] = __ldca(xp + (min(first, top) * GS + s) * 8 + 1);
     }
   }
   // FOLD's operands read before the loop, while the first groups are in flight (after it, each read's latency
@@ -304,7 +310,7 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
     float total = 0.0f;
 #pragma unroll
     for (int i = 0; i < (FOLD == 2 ? 16 : 0); ++i) {
-      if (lane + 32 * i < (K >> 4)) total += __ldg(sq + lane + 32 * i);
+      if (lane + 32 * i < (K >> 4)) total += __ldca(sq + lane + 32 * i);
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xFFFFFFFFu, total, o);
@@ -325,8 +331,8 @@ __global__ void __launch_bounds__(TW * (GLU ? 2 : 1) * KW * 32, MIN_BLOCKS(TW * 
           if (A8) {
             xn8[s] = load8<A8 == 2>(xr, xscale, xsum, at * GS + s);
           } else {
-            xn[s][0] = __ldg(xp + (at * GS + s) * 8);
-            xn[s][1] = __ldg(xp + (at * GS + s) * 8 + 1);
+            xn[s][0] = __ldca(xp + (at * GS + s) * 8);
+            xn[s][1] = __ldca(xp + (at * GS + s) * 8 + 1);
           }
         }
         if (ASYNC) {  // group j from its slot (read before the slot is refilled below)

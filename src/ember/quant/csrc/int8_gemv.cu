@@ -39,9 +39,12 @@ __device__ __forceinline__ void pair(u32 v, float& lo, float& hi) {
   }
 }
 
-// Weights: read once a step, streamed (evict-first). Activations: read by every block, kept in L1 and L2.
+// Weights: read once a step, streamed (evict-first). Activations: read by every block, by ld.global.ca (L1 and
+// L2, coherent once griddepcontrol.wait returns), not through the read-only cache (__ldg): the kernel before
+// wrote them, and with programmatic dependent launch it still runs when this one starts, so that cache's
+// contract (nothing changes while the kernel lives) does not hold for them.
 __device__ __forceinline__ uint4 load_stream(const uint4* p) { return __ldcs(p); }
-__device__ __forceinline__ uint4 load_cached(const uint4* p) { return __ldg(p); }
+__device__ __forceinline__ uint4 load_cached(const uint4* p) { return __ldca(p); }
 
 // acc += the 4 codes of word w, each as the float 32768 + u (u = q + 128), times x[0..3]: u under 2^15's
 // exponent (bits 8-15 of the mantissa) by one byte permute each. 32896 * sum(x) is taken off at the end.
