@@ -108,7 +108,7 @@ def keeps_int4(fmt: str, quantize: str | None, device: torch.device, dtype: torc
     """Whether loading a checkpoint of format `fmt` without a scheme keeps its 4-bit projections as they are
     (`ember.loading.weights.build_model(keep_int4=True)`): a GGUF file, float32 on a CPU where Ember's CPU
     kernels run. Those projections then compute the float model's values (float activations, float32 sums)
-    from the file's 4.5-5 bits a weight instead of dequantized float32: SmolLM2-135M Q4_1 decodes ~3x faster
+    from the file's 4.5-6 bits a weight instead of dequantized float32: SmolLM2-135M Q4_1 decodes ~2.4x faster
     on 2 cores (BENCHMARKS.md). quantize="none" dequantizes everything, as elsewhere."""
     if fmt != "gguf" or quantize is not None or device.type != "cpu" or dtype != torch.float32:
         return False
