@@ -789,11 +789,12 @@ def test_the_gguf_scheme_on_every_family(tmp_path, arch):
 
 
 def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_values(tmp_path):
-    """build_model(keep_int4=True), as a float32 CPU load of a GGUF file does (`keeps_int4`): projections whose
-    tensors are all 4-bit are the file's int4 codes computed with float activations; the others (a Q5_0 /
-    F16 part) and the output projection stay float. The logits are those of the model dequantized whole to
-    float32 rounding, with the same greedy tokens; a scheme asked of it afterwards quantizes the float
-    weights those codes stand for (int4-g32 keeps them)."""
+    """build_model(keep_codes=True), as a float32 CPU load of a GGUF file does (`keeps_codes`): projections whose
+    tensors are all 4-bit are the file's int4 codes computed with float activations, the output projection
+    the tied embedding's Q8_0 blocks (`Int8BlockLinear`; the embedding stays float for its lookups); gate/up,
+    Q4_0 with a Q5_0 or F16 part, stays float. The logits are those of the model dequantized whole to float32
+    rounding, with the same greedy tokens; a scheme asked of it afterwards quantizes the float weights those
+    codes stand for (int4-g32 keeps them)."""
     from torch import nn
 
     from ember.engine.kv_cache import StaticKVCache
@@ -802,7 +803,7 @@ def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_
     from ember.models.registry import config_from_hf, get_family
     from ember.ops import cpu_ext
     from ember.quant import quantize_model
-    from ember.quant.linear import Int4WeightOnlyLinear
+    from ember.quant.linear import Int4WeightOnlyLinear, Int8BlockLinear
 
     if not cpu_ext.available():
         pytest.skip("Ember's CPU kernels are not built on this machine")
@@ -811,7 +812,7 @@ def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_
     reader = read_gguf(path)
     cfg = config_from_hf(gguf_to_hf_config(reader))
     kw = dict(device="cpu", dtype=torch.float32, origin=str(path), progress=False)
-    kept = build_model(cfg, get_family(cfg.architecture), GGUFSource(reader), keep_int4=True, **kw)
+    kept = build_model(cfg, get_family(cfg.architecture), GGUFSource(reader), keep_codes=True, **kw)
     whole = _build(path, None)
     float_sd = whole.state_dict()
     for i in range(L):
@@ -824,7 +825,10 @@ def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_
             else:
                 assert isinstance(module, Int4WeightOnlyLinear) and module._kernel == "cpu_f32", name
                 assert torch.equal(module.dequantize(), float_sd[f"{name}.weight"]), name
-    assert isinstance(kept.lm_head, nn.Linear) and getattr(kept, "quantization", None) is None
+    assert isinstance(kept.lm_head, Int8BlockLinear) and kept.lm_head._kernel == "cpu_f32"
+    assert torch.equal(kept.lm_head.dequantize(), float_sd["model.embed_tokens.weight"])
+    assert torch.equal(kept.model.embed_tokens.weight, float_sd["model.embed_tokens.weight"])
+    assert getattr(kept, "quantization", None) is None
     tokens = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
 
     def logits(m):
@@ -841,20 +845,36 @@ def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_
     for scheme in ("int4-g32", "int8"):
         again = _build(path, scheme)  # as loading with the scheme: int4-g32 takes the 4-bit codes too
         requantized = quantize_model(
-            build_model(cfg, get_family(cfg.architecture), GGUFSource(reader), keep_int4=True, **kw), scheme
+            build_model(cfg, get_family(cfg.architecture), GGUFSource(reader), keep_codes=True, **kw), scheme
         )
         assert requantized.quantization == again.quantization
         assert torch.equal(logits(requantized), logits(again)), scheme
 
 
 def test_the_default_model_keeps_its_q4_1_projections_on_a_cpu(smollm2_gguf):
-    """`load` without a scheme, float32 on a CPU: SmolLM2's 120 Q4_1 projections kept as the file's codes;
-    quantize="none" and bfloat16 dequantize them, as before."""
+    """`load` without a scheme, float32 on a CPU: SmolLM2's 120 Q4_1 projections and its output projection
+    (the tied embedding's Q8_0) kept as the file's codes; quantize="none" and bfloat16 dequantize them."""
     from ember.loading.checkpoint import load
     from ember.ops import cpu_ext
 
     if not cpu_ext.available():
         pytest.skip("Ember's CPU kernels are not built on this machine")
-    assert load(str(smollm2_gguf), device="cpu", progress=False).kept_int4 == 120
-    assert load(str(smollm2_gguf), device="cpu", quantize="none", progress=False).kept_int4 == 0
-    assert load(str(smollm2_gguf), device="cpu", dtype="bfloat16", progress=False).kept_int4 == 0
+    assert load(str(smollm2_gguf), device="cpu", progress=False).kept_codes == 121
+    assert load(str(smollm2_gguf), device="cpu", quantize="none", progress=False).kept_codes == 0
+    assert load(str(smollm2_gguf), device="cpu", dtype="bfloat16", progress=False).kept_codes == 0
+
+
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q5_0])
+def test_int8_blocks_are_the_files_weights(qtype):
+    """Q8_0 and Q5_0 rows as int8 codes and a scale a block of 32: code * scale is gguf-py's dequantized weight,
+    bit for bit (the Q5_0 codes' fifth bits from every position of qh)."""
+    from ember.loading.gguf import int8_blocks
+
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((16, 256)) * rng.uniform(0.01, 2.0, (16, 1))).astype(np.float32)
+    data = gguf.quants.quantize(w, qtype)
+    codes, scales = int8_blocks(data, qtype)
+    want = gguf.quants.dequantize(data, qtype)
+    got = (codes.astype(np.float32).reshape(16, -1, 32) * scales[..., None]).reshape(16, 256)
+    assert codes.dtype == np.int8 and np.array_equal(got, want)
+    assert {QT.Q8_0: 127, QT.Q5_0: 15}[qtype] == codes.max()

@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             quantize=args.quantize,
             quant_cache=args.quant_cache,
         )
-        model, device, name, kept = loaded.model, loaded.device, loaded.name, loaded.kept_int4
+        model, device, name, kept = loaded.model, loaded.device, loaded.name, loaded.kept_codes
         check_context(args, bench_context(model.config, args.max_seq_len))
     result = run_bench(
         model,
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         f"model     {r.model} ({r.dtype}, quantize={r.quantize or 'none'}, decode step {r.decode_step}, "
         f"compile_prefill={r.compile_prefill}) on {r.device}, {r.threads} threads",
         f"weights   {r.weight_bytes_per_step / 1e6:.1f} MB read per decode step"
-        + (f" ({kept} projections as the GGUF file's 4-bit codes)" if kept else ""),
+        + (f" ({kept} projections as the GGUF file's own codes)" if kept else ""),
         f"prefill   {r.prefill_tokens_per_s:9.1f} tok/s   {r.prefill_bandwidth_gb_s:.1f} GB/s"
         f"{share(r.prefill_bandwidth_pct)}, time to first token {r.time_to_first_token_s * 1e3:.1f} ms "
         f"({r.prompt_tokens} prompt tokens)",

@@ -45,8 +45,8 @@ class LoadedModel:
     load_s: float = 0.0
     # "hit" or "miss" when the quantized weights went through the quantized-weights cache; None otherwise.
     quant_cache: str | None = None
-    # Projections kept as the GGUF file's own 4-bit codes, computed with float activations (`keeps_int4`).
-    kept_int4: int = 0
+    # Projections kept as the GGUF file's own codes, computed with float activations (`keeps_codes`).
+    kept_codes: int = 0
 
 
 def pick_device(device: str | None) -> torch.device:
@@ -104,12 +104,13 @@ def source_files(resolved: ResolvedModel) -> list[Path]:
     return sorted(p for p in resolved.path.iterdir() if p.name == "config.json" or p.suffix in suffixes)
 
 
-def keeps_int4(fmt: str, quantize: str | None, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether loading a checkpoint of format `fmt` without a scheme keeps its 4-bit projections as they are
-    (`ember.loading.weights.build_model(keep_int4=True)`): a GGUF file, float32 on a CPU where Ember's CPU
-    kernels run. Those projections then compute the float model's values (float activations, float32 sums)
-    from the file's 4.5-6 bits a weight instead of dequantized float32: SmolLM2-135M Q4_1 decodes ~2.4x faster
-    on 2 cores (BENCHMARKS.md). quantize="none" dequantizes everything, as elsewhere."""
+def keeps_codes(fmt: str, quantize: str | None, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether loading a checkpoint of format `fmt` without a scheme keeps the projections (and the output
+    projection) it holds in Q4_0/Q4_1/Q4_K or Q8_0/Q5_0 blocks as they are (`ember.loading.weights.build_model(
+    keep_codes=True)`): a GGUF file, float32 on a CPU where Ember's CPU kernels run. Those projections then
+    compute the float model's values (float activations, float32 sums) from the file's 4.5-9 bits a weight
+    instead of dequantized float32: SmolLM2-135M Q4_1 decodes ~3x faster on 2 cores, Gemma 3 270M Q4_K_M ~2x
+    (BENCHMARKS.md). quantize="none" dequantizes everything, as elsewhere."""
     if fmt != "gguf" or quantize is not None or device.type != "cpu" or dtype != torch.float32:
         return False
     from ember.ops import cpu_ext
@@ -128,7 +129,7 @@ def load(
     quant_cache: bool = True,
 ) -> LoadedModel:
     """`quantize` names an `ember.quant` scheme (int8, int4, int4-g32, int8-dyn ...) applied after loading.
-    Without one, a GGUF file's 4-bit projections stay as they are on a CPU (`keeps_int4`); "none": every
+    Without one, a GGUF file's 4-bit projections stay as they are on a CPU (`keeps_codes`); "none": every
     weight dequantized to `dtype`.
 
     With `quant_cache` (the default) a quantized model comes from, or is saved to, the quantized-weights
@@ -140,7 +141,7 @@ def load(
     dt = pick_dtype(dtype, dev)
     dequantize = quantize == "none"
     quantize = None if dequantize else quantize
-    keep_int4 = not dequantize and keeps_int4(resolved.format, quantize, dev, dt)
+    keep_codes = not dequantize and keeps_codes(resolved.format, quantize, dev, dt)
     gen_defaults: dict = {}
     if quantize == "gguf" and resolved.format != "gguf":
         from ember.quant import not_gguf
@@ -158,7 +159,7 @@ def load(
 
         def weights() -> WeightSource:
             # Quantizing: one GGUF tensor dequantized at a time. Float: all at once, on several threads.
-            if quantize or keep_int4:
+            if quantize or keep_codes:
                 return gguf.GGUFSource(reader, dtype=dt)
             return DictSource(gguf.load_gguf_state_dict(reader, dtype=dt))
 
@@ -193,7 +194,7 @@ def load(
             origin=origin,
             progress=progress,
             quantize=quantize,
-            keep_int4=keep_int4,
+            keep_codes=keep_codes,
         )
 
     cache_state = None
@@ -226,7 +227,7 @@ def load(
         generation_defaults=gen_defaults,
         load_s=time.perf_counter() - start,
         quant_cache=cache_state,
-        kept_int4=sum(getattr(m, "float_activations", False) for m in model.modules()),
+        kept_codes=sum(getattr(m, "float_activations", False) for m in model.modules()),
     )
     log.info("loaded %s (%s, %s) on %s in %.1f s", resolved.name, cfg.architecture, dt, dev, loaded.load_s)
     return loaded

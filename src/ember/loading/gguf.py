@@ -594,15 +594,42 @@ def int4_blocks(
     return codes.reshape(N, -1), scales.reshape(N, -1), mins.reshape(N, -1)
 
 
-def _convert_int4(
-    t: gguf.ReaderTensor, arch: str, fam: _Family, cfg: dict
-) -> tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None:
-    """One 4-bit GGUF tensor -> its HF name and (codes, scales, mins) in the HF layout; None where the
-    tensor is not 4-bit or is not one HF matrix (stacked experts)."""
+# GGUF block types whose values are int8 codes times one scale per 32 weights along a row, w = code * scale:
+# Ember's int8 blocks (`ember.quant.linear.Int8BlockLinear`). Q8_0: f16 d, 32 int8 codes (w = d q); Q5_0: f16 d,
+# 4 bytes of the codes' fifth bits, 16 bytes of their low nibbles (w = d (q - 16)).
+_INT8_BLOCK_BYTES = {gguf.GGMLQuantizationType.Q8_0: 34, gguf.GGMLQuantizationType.Q5_0: 22}
+
+
+def int8_blocks(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray] | None:
+    """Rows of Q8_0 or Q5_0 blocks (N, bytes per row) -> codes int8 (N, K) and scales float32 (N, K/32), with
+    code * scale equal to ggml's dequantized weight; None for other types."""
+    size = _INT8_BLOCK_BYTES.get(qtype)
+    if size is None:
+        return None
+    N = data.shape[0]
+    b = data.reshape(N, -1, size)  # (N, blocks, bytes)
+    scales = _f16(b[..., 0:2])
+    if qtype == gguf.GGMLQuantizationType.Q8_0:
+        codes = np.ascontiguousarray(b[..., 2:]).view(np.int8)
+    else:  # weight j < 16: low nibble of byte j, fifth bit j of qh; j >= 16: high nibble of byte j - 16, bit j
+        qh = np.ascontiguousarray(b[..., 2:6]).view("<u4")  # (N, blocks, 1)
+        qs = b[..., 6:]
+        low = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int16)  # (N, blocks, 32)
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
+        codes = (low | high) - 16
+    return codes.astype(np.int8).reshape(N, -1), scales.reshape(N, -1)
+
+
+def _convert_blocks(
+    t: gguf.ReaderTensor, arch: str, fam: _Family, cfg: dict, decode=None
+) -> tuple[str, tuple[torch.Tensor, ...]] | None:
+    """One GGUF tensor -> its HF name and the blocks `decode` takes from it (`int4_blocks` by default: (codes,
+    scales, mins); `int8_blocks`: (codes, scales)) in the HF layout; None where `decode` does not take the
+    tensor's type or it is not one HF matrix (stacked experts)."""
     key, name, names = _hf_names(t, arch, fam, cfg)
     if len(names) != 1 or len(t.data.shape) != 2:
         return None
-    blocks = int4_blocks(t.data, t.tensor_type)
+    blocks = (decode or int4_blocks)(t.data, t.tensor_type)
     if blocks is None:
         return None
     if fam.permute_qk and key in ("blk.{i}.attn_q.weight", "blk.{i}.attn_k.weight"):
@@ -659,7 +686,13 @@ class GGUFSource:
         float32 (N, K/g)), without dequantizing; None unless the tensor is Q4_0, Q4_1 or Q4_K and g = 32."""
         if group_size != 32:
             return None
-        converted = _convert_int4(self._owner[name], self._arch, self._fam, self._cfg)
+        converted = _convert_blocks(self._owner[name], self._arch, self._fam, self._cfg)
+        return converted[1] if converted is not None else None
+
+    def get_int8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The file's own codes of `name` as int8 blocks of 32 (codes int8 (N, K), scales float32 (N, K/32)),
+        without dequantizing; None unless the tensor is Q8_0 or Q5_0."""
+        converted = _convert_blocks(self._owner[name], self._arch, self._fam, self._cfg, int8_blocks)
         return converted[1] if converted is not None else None
 
     def get(self, name: str) -> torch.Tensor:

@@ -107,25 +107,26 @@ def build_model(
     origin: str,
     progress: bool = True,
     quantize: str | None = None,
-    keep_int4: bool = False,
+    keep_codes: bool = False,
 ) -> Decoder:
     """Materialises a Decoder for `cfg` from `source`; `origin` names the checkpoint in error messages.
 
-    keep_int4 (without `quantize`): the projections the source holds in 4-bit blocks that are int4 groups of 32
-    (GGUF's Q4_0 / Q4_1 / Q4_K) stay those codes, computed with float activations
-    (`Int4WeightOnlyLinear.float_activations`): the float model's values, without its float weights. The rest
-    is read as float, as without it."""
+    keep_codes (without `quantize`): the projections, and the output projection, that the source holds in
+    blocks of 32 Ember's kernels take as they are stay those codes, computed with float activations: int4
+    groups (GGUF's Q4_0 / Q4_1 / Q4_K: `Int4WeightOnlyLinear.float_activations`) and int8 blocks (Q8_0 / Q5_0:
+    `Int8BlockLinear`). The float model's values, without its float weights; the rest is read as float, as
+    without it (the embedding too, for its lookups)."""
     from ember.quant import GGUF_GROUP, QuantSpec, check_fits, quantized_projections
-    from ember.quant.linear import Int4WeightOnlyLinear
+    from ember.quant.linear import Int4WeightOnlyLinear, Int8BlockLinear
 
     with torch.device("meta"):
         model = Decoder(cfg)
     spec, targets = None, set()
-    keep_int4 = keep_int4 and not quantize and hasattr(source, "get_int4")
+    keep_codes = keep_codes and not quantize and hasattr(source, "get_int4")
     if quantize:
         spec = QuantSpec.parse(quantize)
         targets = set(check_fits(model, spec))  # refuses a scheme that does not fit before reading anything
-    elif keep_int4:
+    elif keep_codes:
         targets = set(quantized_projections(model))
     available = source.names()
     if family.rename is not None:
@@ -161,7 +162,7 @@ def build_model(
     if unexpected:
         raise CheckpointError(f"{origin}: unexpected weights for {cfg.architecture}: {_describe(unexpected)}")
 
-    if not quantize and not keep_int4:  # else each projection shrinks as it is read: no whole float model
+    if not quantize and not keep_codes:  # else each projection shrinks as it is read: no whole float model
         check_memory(
             model,
             dtype,
@@ -185,7 +186,7 @@ def build_model(
 
     # A source that holds 4-bit weights in int4's groups (GGUF's Q4_0 / Q4_1 / Q4_K, groups of 32) gives
     # their codes as they are: no dequantize and quantize again, and the file's own grid kept exactly.
-    takes_int4 = keep_int4 or (spec is not None and spec.scheme in ("int4", "gguf"))
+    takes_int4 = keep_codes or (spec is not None and spec.scheme in ("int4", "gguf"))
     get_int4 = getattr(source, "get_int4", None) if takes_int4 else None
     group_size = GGUF_GROUP if spec is None else spec.group_size
 
@@ -206,6 +207,20 @@ def build_model(
             )
         return codes.to(device), scales.to(device), mins.to(device)
 
+    get_int8 = getattr(source, "get_int8", None) if keep_codes else None
+
+    def int8_blocks(names: list[str], bias: torch.Tensor | None) -> Int8BlockLinear | None:
+        """The source's int8 blocks of `names` (checkpoint names, concatenated), where its kernel runs here."""
+        parts = []
+        for n in names:
+            if get_int8 is None or (part := get_int8(n)) is None:
+                return None
+            parts.append(part)
+        codes, scales = (torch.cat(t).to(device) for t in zip(*parts, strict=True))
+        module = Int8BlockLinear.from_codes(codes, scales, bias, dtype)
+        module.prepare()
+        return module if module._kernel == "cpu_f32" else None
+
     state: dict[str, torch.Tensor] = {}
     swapped: dict[str, nn.Module] = {}
     for name in tqdm(plan, desc="loading weights", unit="tensor", disable=not progress, leave=False):
@@ -218,7 +233,17 @@ def build_model(
                 swapped[module] = Int4WeightOnlyLinear.from_codes(*int4, bias, dtype)
                 swapped[module].float_activations = spec is None
                 swapped[module].prepare()
-            elif spec is None:  # keep_int4, and the source does not hold this one in 4 bits: float
+            elif spec is None:  # keep_codes: int8 blocks where the source holds them, else float
+                groups, stack = plan[name]
+                kept = None if stack else int8_blocks([renamed[p] for p in groups[0]], bias)
+                if kept is not None:
+                    if kept.qweight.shape != expected[name].shape:
+                        raise CheckpointError(
+                            f"{origin}: weight {name} has shape {tuple(kept.qweight.shape)}, "
+                            f"expected {tuple(expected[name].shape)} from the config"
+                        )
+                    swapped[module] = kept
+                    continue
                 state[name] = read(name)
                 if bias is not None:
                     state[f"{module}.bias"] = bias
@@ -229,6 +254,11 @@ def build_model(
     for module, quantized in swapped.items():
         parent, _, leaf = module.rpartition(".")
         setattr(model.get_submodule(parent), leaf, quantized)
+    # The output projection's int8 blocks (for a tied model, the embedding's: its float copy stays for lookups).
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    kept = int8_blocks([renamed[head]], None) if keep_codes and head in renamed else None
+    if kept is not None and kept.qweight.shape == (cfg.vocab_size, cfg.hidden_size):
+        model.lm_head = kept
     model.tie_weights()
     model.init_buffers(device)
     model.eval().requires_grad_(False)

@@ -165,6 +165,7 @@ def load(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> str:
                 ("int4_gemm_bf16", _int4_fake),
                 ("int4_silu_gate_up_bf16", _int4_glu_fake),
                 ("int8_gemv", _int8_fake),
+                ("int8_gemv_f32", _int8_fake),
                 ("decode_attention", _attention_fake),
                 ("paged_decode_attention", _attention_fake),
                 ("rope_decode_attention", _rope_attention_fake),
@@ -261,6 +262,21 @@ def int8_tiles(qweight: torch.Tensor) -> torch.Tensor:
     # (tile, row, block, run, k) -> (tile, block, run, row, k)
     runs = offset.reshape(N // TILE, TILE, K // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)
     return runs.reshape(N // TILE, K // BLOCK * 512).contiguous()
+
+
+def int8_block_scales(scales: torch.Tensor) -> torch.Tensor:
+    """(N, K/32) scales of int8 blocks of 32 k -> `int8_gemv_f32`'s (N/16, K/32, 16) float32: a tile's 16 rows'
+    scales of each block together."""
+    N, B = scales.shape
+    return scales.float().reshape(N // TILE, TILE, B).transpose(1, 2).contiguous()
+
+
+def int8_f32_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`int8_gemv_f32` in plain torch: the float linear on the weights q * scale (a scale a block of 32 k),
+    summed in float64 (the kernel's float32 sums differ from it by their rounding alone)."""
+    N, K = qweight.shape
+    w = (qweight.double().reshape(N, K // BLOCK, BLOCK) * scales.double()[..., None]).reshape(N, K)
+    return F.linear(x.double(), w).float()
 
 
 def quantize_blocks(x: torch.Tensor) -> torch.Tensor:

@@ -194,7 +194,10 @@ def quantize_model(model: nn.Module, scheme: str, *, output: bool = True) -> nn.
         module.prepare()
         _set(model, name, module)
     if output:
-        model.lm_head = QuantSpec.parse(output_scheme_for(scheme)).quantize(model.output_weight())
+        head = model.lm_head  # a checkpoint's own codes kept by a float load: the weights they stand for
+        kept = getattr(head, "float_activations", False)
+        weight = head.dequantize().to(head.dtype) if kept else model.output_weight()
+        model.lm_head = QuantSpec.parse(output_scheme_for(scheme)).quantize(weight)
         names.append("lm_head")
     model.quantization = {"scheme": spec.name, "modules": names}
     if spec.scheme == "gguf":  # mixed: each projection's own

@@ -310,7 +310,7 @@ class Int4WeightOnlyLinear(QuantLinear):
         self._splits = 1  # runs of K the tiled one-row GEMV adds up, set by `prepare` (`split_forward`)
         self._whole_rows = False  # set by `prepare` (`fused_silu_gate_up`)
         # The float linear's values on the dequantized weights (a checkpoint's own 4-bit weights kept as they
-        # are, `ember.loading.weights.build_model(keep_int4=True)`): on a CPU, `cpu_ext.int4_gemv_f32`, never
+        # are, `ember.loading.weights.build_model(keep_codes=True)`): on a CPU, `cpu_ext.int4_gemv_f32`, never
         # the kernels that round the activations (to int8 codes or bf16). Set before `prepare`.
         self.float_activations = False
 
@@ -604,6 +604,72 @@ class Int4WeightOnlyLinear(QuantLinear):
             y = mm(x2.to(torch.bfloat16), self._packed, self.group_size, self._sz).to(x.dtype)
         else:
             y = kernels.int4_linear(x2, self.qweight, self._s16, self._z16, self.group_size)
+        return self._add_bias(y.reshape(*shape[:-1], self.out_features))
+
+
+class Int8BlockLinear(QuantLinear):
+    """int8 codes with a float32 scale a block of 32 along K, w = code * scale: a GGUF file's Q8_0 and Q5_0
+    tensors as they are, kept by a float load (`ember.loading.weights.build_model(keep_codes=True)`) and
+    computed with float activations, so the module gives the dequantized weights' float linear. Not a
+    `--quantize` scheme (nothing saves it); a scheme asked of a model that holds one quantizes the weights it
+    stands for (`dequantize`).
+
+    Kernels: "cpu_f32", float32 on CPUs where Ember's CPU kernels run (`cpu_ext.int8_gemv_f32`, the codes in
+    `cpu_ext.int8_tiles`' layout); "float" elsewhere (the weights dequantized for each call)."""
+
+    scheme = "int8-blocks"
+    BLOCK = 32
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__(in_features, out_features, bias, dtype)
+        if in_features % self.BLOCK:
+            raise ValueError(f"in_features={in_features} is not a multiple of {self.BLOCK}")
+        self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+        self.register_buffer("scales", torch.ones(out_features, in_features // self.BLOCK))
+        self.float_activations = True
+
+    @classmethod
+    def from_codes(
+        cls, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+    ) -> Int8BlockLinear:
+        """Codes int8 (N, K) with their (N, K/32) scales, taken as they are; on codes' device."""
+        (N, K) = codes.shape
+        if codes.dtype != torch.int8 or scales.shape != (N, K // cls.BLOCK) or K % cls.BLOCK:
+            raise ValueError(
+                f"int8 blocks: codes {tuple(codes.shape)} {codes.dtype} with scales {tuple(scales.shape)}; "
+                f"expected int8 (N, K) codes and (N, K/{cls.BLOCK}) scales"
+            )
+        m = cls(K, N, bias is not None, dtype).to(codes.device)
+        m.qweight, m.scales = codes, scales.float()
+        if bias is not None:
+            m.bias.copy_(bias)
+        return m
+
+    def dequantize(self) -> torch.Tensor:
+        N, K = self.qweight.shape
+        return (self.qweight.float().reshape(N, -1, self.BLOCK) * self.scales[..., None]).reshape(N, K)
+
+    def prepare(self) -> None:
+        cpu = self.qweight.device.type == "cpu" and self.dtype == torch.float32
+        if cpu and cpu_ext.fits(self.out_features, self.in_features) and cpu_ext.available():
+            self._kernel = "cpu_f32"
+            self.register_buffer("_tiles", cpu_ext.int8_tiles(self.qweight), persistent=False)
+            self.register_buffer("_scales_f32", cpu_ext.int8_block_scales(self.scales), persistent=False)
+        else:
+            self._kernel = "float"
+
+    def _runtime_buffers(self) -> tuple[str, ...]:
+        return ("_tiles", "_scales_f32") if self._kernel == "cpu_f32" else ("qweight", "scales")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self._kernel == "cpu_f32":
+            if x2.dtype != torch.float32 or not x2.is_contiguous():
+                x2 = x2.float().contiguous()
+            y = torch.ops.ember_cpu.int8_gemv_f32(x2, self._tiles, self._scales_f32).to(x.dtype)
+        else:
+            y = F.linear(x2, self.dequantize().to(x.dtype))
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
 
 

@@ -112,6 +112,9 @@ inline __m512i low_nibbles(__m512i v) { return _mm512_and_si512(v, _mm512_set1_e
 inline __m512i high_nibbles(__m512i v) {
   return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
 }
+// Byte j of each lane's 4 as a signed int8, sign-extended to the lane's int32.
+inline I16 signed_byte(__m512i v, int j) { return {_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24)}; }
+inline __m512i flip_bytes(__m512i v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
 // Byte j of each lane's 4 (its code once the nibbles are masked), as the lane's int32.
 inline I16 code_byte(__m512i v, int j) {
   return {_mm512_and_si512(_mm512_srli_epi32(v, 8 * j), _mm512_set1_epi32(0xFF))};
@@ -169,6 +172,13 @@ inline W64 low_nibbles(W64 v) {
 inline W64 high_nibbles(W64 v) {
   __m256i m = _mm256_set1_epi8(0x0F);
   return {_mm256_and_si256(_mm256_srli_epi16(v.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(v.hi, 4), m)};
+}
+inline I16 signed_byte(W64 v, int j) {
+  return {_mm256_srai_epi32(_mm256_slli_epi32(v.lo, 24 - 8 * j), 24), _mm256_srai_epi32(_mm256_slli_epi32(v.hi, 24 - 8 * j), 24)};
+}
+inline W64 flip_bytes(W64 v) {
+  const __m256i m = _mm256_set1_epi8(static_cast<char>(0x80));
+  return {_mm256_xor_si256(v.lo, m), _mm256_xor_si256(v.hi, m)};
 }
 inline I16 code_byte(W64 v, int j) {
   const __m256i byte = _mm256_set1_epi32(0xFF);
@@ -242,6 +252,15 @@ inline W64 low_nibbles(W64 w) {
 }
 inline W64 high_nibbles(W64 w) {
   for (auto& b : w.b) b >>= 4;
+  return w;
+}
+inline I16 signed_byte(const W64& w, int j) {
+  I16 c;
+  for (int l = 0; l < kTile; ++l) c.v[l] = static_cast<int8_t>(w.b[4 * l + j]);
+  return c;
+}
+inline W64 flip_bytes(W64 w) {
+  for (auto& b : w.b) b ^= 0x80;
   return w;
 }
 inline I16 code_byte(const W64& w, int j) {
@@ -627,6 +646,34 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return out;
 }
 
+// R float activation rows (x + r * K) against one int8 tile (int8_tiles' layout, codes plus 128) with a float32
+// scale for each block of 32 k (scales: (K/32, 16)): out[r * N + l] = sum_b scale_b * sum_k q x, in float32.
+template <int R>
+void int8_tile_f32(const uint8_t* w, const float* scales, const float* x, int64_t K, float* out, int64_t N) {
+  constexpr int C = R >= 4 ? 1 : 4 / R;
+  F16x acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = fzero();
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    F16x part[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) part[r][c] = fzero();
+    for (int i = 0; i < 8; ++i) {  // run i: k = 4i + j of each row
+      const auto v = flip_bytes(load64(w + b * 512 + 64 * i));
+      for (int j = 0; j < 4; ++j) {
+        const F16x q = to_float(signed_byte(v, j));
+        for (int r = 0; r < R; ++r) part[r][j % C] = fma(q, fset(x[r * K + b * kBlock + 4 * i + j]), part[r][j % C]);
+      }
+    }
+    const F16x scale = load_float(scales + b * kTile);
+    for (int r = 0; r < R; ++r) {
+      F16x sum = part[r][0];
+      for (int c = 1; c < C; ++c) sum = fadd(sum, part[r][c]);
+      acc[r] = fma(sum, scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store(out + r * N, acc[r]);
+}
+
 // y = x @ w.T in float32 with int4 weights as they are: x not rounded, w = q * scale + min with float32 factors
 // (scale_min (N/16, K/g, 2, 16)), each group's products summed, then scaled. The float linear's values on the
 // dequantized weights but for the order of the sums: a GGUF file's 4-bit weights computed without a float
@@ -658,6 +705,29 @@ at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
       by_rows(M, [&](auto R, int64_t m) {
         int4_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 256, sp + t * G * 2 * kTile, xp + m * K,
                                           &xs[m * G], K, group_size, op + m * N + t * kTile, N);
+      });
+    }
+  });
+  return out;
+}
+
+// y = x @ w.T in float32 with int8 weights as they are, a float32 scale a block of 32 k: w = q * scale
+// (scales (N/16, K/32, 16)); a GGUF file's Q8_0 / Q5_0 weights without a float copy of them.
+at::Tensor int8_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+  check_operands(x, packed, 512);
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * (K / kBlock),
+              "scales ", scales.sizes(), " do not match ", tiles, " tiles of ", K / kBlock, " blocks (float32)");
+  auto out = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      by_rows(M, [&](auto R, int64_t m) {
+        int8_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 512, sp + t * (K / kBlock) * kTile, xp + m * K, K,
+                                          op + m * N + t * kTile, N);
       });
     }
   });
@@ -874,6 +944,7 @@ bool amx_bf16() {
 EMBER_LIBRARY_FRAGMENT(EMBER_CPU_NAMESPACE, m) {
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
   m.def("int4_gemv_f32(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
+  m.def("int8_gemv_f32(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("simd() -> str");
   m.def("int4_gemm_bf16(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
@@ -884,6 +955,7 @@ EMBER_LIBRARY_FRAGMENT(EMBER_CPU_NAMESPACE, m) {
 EMBER_LIBRARY_IMPL(EMBER_CPU_NAMESPACE, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("int4_gemv_f32", &int4_gemv_f32);
+  m.impl("int8_gemv_f32", &int8_gemv_f32);
   m.impl("int8_gemv", &int8_gemv);
 #if defined(EMBER_AMX_BF16)
   m.impl("int4_gemm_bf16", &int4_gemm_bf16);
