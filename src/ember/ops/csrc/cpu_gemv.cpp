@@ -115,9 +115,11 @@ inline __m512i high_nibbles(__m512i v) {
 // Byte j of each lane's 4 as a signed int8, sign-extended to the lane's int32.
 inline I16 signed_byte(__m512i v, int j) { return {_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24)}; }
 inline __m512i flip_bytes(__m512i v) { return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80))); }
-// Byte j of each lane's 4 (its code once the nibbles are masked), as the lane's int32.
-inline I16 code_byte(__m512i v, int j) {
-  return {_mm512_and_si512(_mm512_srli_epi32(v, 8 * j), _mm512_set1_epi32(0xFF))};
+// The nibble at bit `shift` of each lane as a float: vpermps looks the shifted lane up in 0..15 by its low 4
+// bits alone (no mask, no conversion).
+inline F16x nibble_float(__m512i v, int shift) {
+  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return {_mm512_permutexvar_ps(_mm512_srli_epi32(v, shift), values)};
 }
 inline I16 iadd(I16 a, I16 b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline I16 isub_scalar(I16 a, int32_t s) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(s))}; }
@@ -180,9 +182,10 @@ inline W64 flip_bytes(W64 v) {
   const __m256i m = _mm256_set1_epi8(static_cast<char>(0x80));
   return {_mm256_xor_si256(v.lo, m), _mm256_xor_si256(v.hi, m)};
 }
-inline I16 code_byte(W64 v, int j) {
-  const __m256i byte = _mm256_set1_epi32(0xFF);
-  return {_mm256_and_si256(_mm256_srli_epi32(v.lo, 8 * j), byte), _mm256_and_si256(_mm256_srli_epi32(v.hi, 8 * j), byte)};
+inline F16x nibble_float(W64 v, int shift) {
+  const __m256i m = _mm256_set1_epi32(0xF);
+  return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v.lo, shift), m)),
+          _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v.hi, shift), m))};
 }
 inline I16 iadd(I16 a, I16 b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 inline I16 isub_scalar(I16 a, int32_t s) {
@@ -263,10 +266,14 @@ inline W64 flip_bytes(W64 w) {
   for (auto& b : w.b) b ^= 0x80;
   return w;
 }
-inline I16 code_byte(const W64& w, int j) {
-  I16 c;
-  for (int l = 0; l < kTile; ++l) c.v[l] = w.b[4 * l + j];
-  return c;
+inline F16x nibble_float(const W64& w, int shift) {
+  F16x f;
+  for (int l = 0; l < kTile; ++l) {
+    uint32_t lane;
+    std::memcpy(&lane, w.b + 4 * l, 4);
+    f.v[l] = static_cast<float>((lane >> shift) & 0xF);
+  }
+  return f;
 }
 inline I16 iadd(I16 a, I16 b) {
   for (int l = 0; l < kTile; ++l) a.v[l] += b.v[l];
@@ -422,9 +429,8 @@ void int4_tile_f32(const uint8_t* w, const float* sm, const float* x, const floa
       const uint8_t* wb = w + b * 256;
       for (int i = 0; i < 4; ++i) {
         const auto v = load64(wb + 64 * i);
-        const auto low = low_nibbles(v), high = high_nibbles(v);
-        for (int j = 0; j < 4; ++j) {  // k = 4i + j (low nibbles) and 16 + 4i + j (high)
-          const F16x ql = to_float(code_byte(low, j)), qh = to_float(code_byte(high, j));
+        for (int j = 0; j < 4; ++j) {  // k = 4i + j (byte j's low nibble) and 16 + 4i + j (its high one)
+          const F16x ql = nibble_float(v, 8 * j), qh = nibble_float(v, 8 * j + 4);
           for (int r = 0; r < R; ++r) {
             const float* xb = x + r * K + b * kBlock + 4 * i + j;
             part[r][(2 * j) % C] = fma(ql, fset(xb[0]), part[r][(2 * j) % C]);
