@@ -563,16 +563,19 @@ def _f16(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
 
 
+def _blocks(data: np.ndarray, size: int | None) -> np.ndarray | None:
+    """Rows of GGUF blocks (N, bytes per row) -> (N, blocks, size) bytes; None for a type without a size."""
+    return None if size is None else data.reshape(data.shape[0], -1, size)
+
+
 def int4_blocks(
     data: np.ndarray, qtype: gguf.GGMLQuantizationType
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """Rows of Q4_0, Q4_1 or Q4_K blocks (N, bytes per row) -> codes uint8 (N, K) in [0, 15], scales and mins
     float32 (N, K/32), with code * scale + min equal to ggml's dequantized weight; None for other types."""
-    size = _INT4_BLOCK_BYTES.get(qtype)
-    if size is None:
+    if (b := _blocks(data, _INT4_BLOCK_BYTES.get(qtype))) is None:
         return None
     N = data.shape[0]
-    b = data.reshape(N, -1, size)  # (N, blocks, bytes)
     d = _f16(b[..., 0:2])
     if qtype == gguf.GGMLQuantizationType.Q4_K:
         dmin, packed, qs = _f16(b[..., 2:4]), b[..., 4:16], b[..., 16:]
@@ -603,11 +606,9 @@ _INT8_BLOCK_BYTES = {gguf.GGMLQuantizationType.Q8_0: 34, gguf.GGMLQuantizationTy
 def int8_blocks(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray] | None:
     """Rows of Q8_0 or Q5_0 blocks (N, bytes per row) -> codes int8 (N, K) and scales float32 (N, K/32), with
     code * scale equal to ggml's dequantized weight; None for other types."""
-    size = _INT8_BLOCK_BYTES.get(qtype)
-    if size is None:
+    if (b := _blocks(data, _INT8_BLOCK_BYTES.get(qtype))) is None:
         return None
     N = data.shape[0]
-    b = data.reshape(N, -1, size)  # (N, blocks, bytes)
     scales = _f16(b[..., 0:2])
     if qtype == gguf.GGMLQuantizationType.Q8_0:
         codes = np.ascontiguousarray(b[..., 2:]).view(np.int8)

@@ -581,6 +581,14 @@ void by_rows(int64_t M, Tile tile) {
   rows_left<kMaxRows - 1>(M - m, m, tile);
 }
 
+// Calls tile(R, t, m) for every tile t of weights (threads share the tiles) and each run of rows m of x.
+template <typename Tile>
+void over_tiles(int64_t tiles, int64_t M, Tile tile) {
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) by_rows(M, [&](auto R, int64_t m) { tile(R, t, m); });
+  });
+}
+
 void check_operands(const at::Tensor& x, const at::Tensor& packed, int64_t bytes_per_block) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous (M, K) float32 tensor, got ", x.sizes(), " ", x.scalar_type());
@@ -706,13 +714,9 @@ at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scale_min.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      by_rows(M, [&](auto R, int64_t m) {
-        int4_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 256, sp + t * G * 2 * kTile, xp + m * K,
-                                          &xs[m * G], K, group_size, op + m * N + t * kTile, N);
-      });
-    }
+  over_tiles(tiles, M, [&](auto R, int64_t t, int64_t m) {
+    int4_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 256, sp + t * G * 2 * kTile, xp + m * K, &xs[m * G],
+                                      K, group_size, op + m * N + t * kTile, N);
   });
   return out;
 }
@@ -729,13 +733,9 @@ at::Tensor int8_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      by_rows(M, [&](auto R, int64_t m) {
-        int8_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 512, sp + t * (K / kBlock) * kTile, xp + m * K, K,
-                                          op + m * N + t * kTile, N);
-      });
-    }
+  over_tiles(tiles, M, [&](auto R, int64_t t, int64_t m) {
+    int8_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 512, sp + t * (K / kBlock) * kTile, xp + m * K, K,
+                                      op + m * N + t * kTile, N);
   });
   return out;
 }
@@ -757,13 +757,9 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      by_rows(M, [&](auto R, int64_t m) {
-        int8_tile<decltype(R)::value>(wp + t * (K / kBlock) * 512, sp + t * kTile, &xq[m * K], &d[m], &xsum[m], K,
-                                      op + m * N + t * kTile, N);
-      });
-    }
+  over_tiles(tiles, M, [&](auto R, int64_t t, int64_t m) {
+    int8_tile<decltype(R)::value>(wp + t * (K / kBlock) * 512, sp + t * kTile, &xq[m * K], &d[m], &xsum[m], K,
+                                  op + m * N + t * kTile, N);
   });
   return out;
 }
