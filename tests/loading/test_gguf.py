@@ -620,11 +620,13 @@ def test_mixtral_gguf_loads_and_matches_transformers(tmp_path):
     assert (got - ref(ids).logits).abs().max() <= 1e-4
 
 
-def _write_wide_llama(path: Path, embed, types, seed: int) -> None:
+def _write_wide_llama(path: Path, embed, types, seed: int, head=None) -> None:
     """A tiny llama 256 wide (K-quant blocks hold 256 values along a row), types(i) giving layer i's q, k, v,
-    output, gate, up and down tensor types."""
+    output, gate, up and down tensor types; with `head`, an output projection of that type (else tied)."""
     e, d = 256, 64
     t = {"token_embd.weight": ((V, e), embed), "output_norm.weight": ((e,), QT.F32)}
+    if head is not None:
+        t["output.weight"] = ((V, e), head)
     shapes = dict(
         q=(H * d, e), k=(KV * d, e), v=(KV * d, e), output=(e, H * d), gate=(I, e), up=(I, e), down=(e, I)
     )
@@ -878,3 +880,40 @@ def test_int8_blocks_are_the_files_weights(qtype):
     got = (codes.astype(np.float32).reshape(16, -1, 32) * scales[..., None]).reshape(16, 256)
     assert codes.dtype == np.int8 and np.array_equal(got, want)
     assert {QT.Q8_0: 127, QT.Q5_0: 15}[qtype] == codes.max()
+
+
+@pytest.mark.parametrize("head", [QT.Q4_0, QT.Q8_0, QT.Q6_K])
+def test_an_untied_output_projection_keeps_its_own_codes(tmp_path, head):
+    """An output projection of its own (output.weight) is kept like a projection: Q4_0 as int4 groups, Q8_0 as
+    int8 blocks, Q6_K (no kernel takes it as it is) float; the logits are the dequantized model's."""
+    from torch import nn
+
+    from ember.engine.kv_cache import StaticKVCache
+    from ember.loading.gguf import GGUFSource
+    from ember.loading.weights import build_model
+    from ember.models.registry import config_from_hf, get_family
+    from ember.ops import cpu_ext
+    from ember.quant.linear import Int4WeightOnlyLinear, Int8BlockLinear
+
+    if not cpu_ext.available():
+        pytest.skip("Ember's CPU kernels are not built on this machine")
+    path = tmp_path / "untied.gguf"
+    types = dict(q=QT.Q4_0, k=QT.Q8_0, v=QT.F16, output=QT.Q4_1, gate=QT.Q8_0, up=QT.Q8_0, down=QT.Q4_1)
+    _write_wide_llama(path, QT.F16, lambda i: types, seed=3, head=head)
+    reader = read_gguf(path)
+    cfg = config_from_hf(gguf_to_hf_config(reader))
+    assert not cfg.tie_word_embeddings
+    kw = dict(device="cpu", dtype=torch.float32, origin=str(path), progress=False)
+    kept = build_model(cfg, get_family(cfg.architecture), GGUFSource(reader), keep_codes=True, **kw)
+    whole = _build(path, None)
+    want = {QT.Q4_0: Int4WeightOnlyLinear, QT.Q8_0: Int8BlockLinear, QT.Q6_K: nn.Linear}[head]
+    assert isinstance(kept.lm_head, want)
+    if head != QT.Q6_K:
+        assert torch.equal(kept.lm_head.dequantize(), whole.lm_head.weight)
+    tokens = torch.tensor([[1, 5, 9, 3, 7]])
+    logits = []
+    for m in (kept, whole):
+        cache = StaticKVCache(m.config, batch_size=1, max_seq_len=8, device="cpu", dtype=torch.float32)
+        with torch.inference_mode():
+            logits.append(m.compute_logits(m(tokens, torch.arange(5)[None], cache)))
+    assert (logits[0] - logits[1]).abs().max() <= 1e-5 * logits[1].abs().max()

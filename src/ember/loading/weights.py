@@ -117,7 +117,7 @@ def build_model(
     `Int8BlockLinear`). The float model's values, without its float weights; the rest is read as float, as
     without it (the embedding too, for its lookups)."""
     from ember.quant import GGUF_GROUP, QuantSpec, check_fits, quantized_projections
-    from ember.quant.linear import Int4WeightOnlyLinear, Int8BlockLinear
+    from ember.quant.linear import Int4WeightOnlyLinear, Int8BlockLinear, QuantLinear
 
     with torch.device("meta"):
         model = Decoder(cfg)
@@ -126,8 +126,8 @@ def build_model(
     if quantize:
         spec = QuantSpec.parse(quantize)
         targets = set(check_fits(model, spec))  # refuses a scheme that does not fit before reading anything
-    elif keep_codes:
-        targets = set(quantized_projections(model))
+    elif keep_codes:  # the projections, and an untied output projection (a tied one's codes come later)
+        targets = set(quantized_projections(model)) | (set() if cfg.tie_word_embeddings else {"lm_head"})
     available = source.names()
     if family.rename is not None:
         renamed = {family.rename(n): n for n in available}
@@ -209,15 +209,24 @@ def build_model(
 
     get_int8 = getattr(source, "get_int8", None) if keep_codes else None
 
-    def int8_blocks(names: list[str], bias: torch.Tensor | None) -> Int8BlockLinear | None:
-        """The source's int8 blocks of `names` (checkpoint names, concatenated), where its kernel runs here."""
-        parts = []
-        for n in names:
-            if get_int8 is None or (part := get_int8(n)) is None:
+    def kept_codes(name: str, bias: torch.Tensor | None) -> QuantLinear | None:
+        """keep_codes: weight `name` as the source's own codes where it holds them in int4 groups or int8 blocks
+        of 32 and their float-activation kernel runs here (else None: it is read as float)."""
+        if (int4 := read_int4(name)) is not None:
+            module = Int4WeightOnlyLinear.from_codes(*int4, bias, dtype)
+            module.float_activations = True
+        else:
+            groups, stack = plan[name]
+            parts = [] if stack or get_int8 is None else [get_int8(renamed[p]) for p in groups[0]]
+            if not parts or any(part is None for part in parts):
                 return None
-            parts.append(part)
-        codes, scales = (torch.cat(t).to(device) for t in zip(*parts, strict=True))
-        module = Int8BlockLinear.from_codes(codes, scales, bias, dtype)
+            codes, scales = (torch.cat(t).to(device) for t in zip(*parts, strict=True))
+            if codes.shape != expected[name].shape:
+                raise CheckpointError(
+                    f"{origin}: weight {name} has shape {tuple(codes.shape)}, "
+                    f"expected {tuple(expected[name].shape)} from the config"
+                )
+            module = Int8BlockLinear.from_codes(codes, scales, bias, dtype)
         module.prepare()
         return module if module._kernel == "cpu_f32" else None
 
@@ -229,24 +238,16 @@ def build_model(
             state[name] = read(name)
         elif leaf == "weight":  # its bias, if any, comes next in the plan and is read with it
             bias = read(f"{module}.bias") if f"{module}.bias" in plan else None
-            if (int4 := read_int4(name)) is not None:
-                swapped[module] = Int4WeightOnlyLinear.from_codes(*int4, bias, dtype)
-                swapped[module].float_activations = spec is None
-                swapped[module].prepare()
-            elif spec is None:  # keep_codes: int8 blocks where the source holds them, else float
-                groups, stack = plan[name]
-                kept = None if stack else int8_blocks([renamed[p] for p in groups[0]], bias)
-                if kept is not None:
-                    if kept.qweight.shape != expected[name].shape:
-                        raise CheckpointError(
-                            f"{origin}: weight {name} has shape {tuple(kept.qweight.shape)}, "
-                            f"expected {tuple(expected[name].shape)} from the config"
-                        )
+            if spec is None:  # keep_codes: the source's own codes where it has them, else float
+                if (kept := kept_codes(name, bias)) is not None:
                     swapped[module] = kept
                     continue
                 state[name] = read(name)
                 if bias is not None:
                     state[f"{module}.bias"] = bias
+            elif (int4 := read_int4(name)) is not None:
+                swapped[module] = Int4WeightOnlyLinear.from_codes(*int4, bias, dtype)
+                swapped[module].prepare()
             else:
                 swapped[module] = spec.quantize(read(name), bias)
     unassigned, _ = model.load_state_dict(state, strict=False, assign=True)
@@ -254,10 +255,10 @@ def build_model(
     for module, quantized in swapped.items():
         parent, _, leaf = module.rpartition(".")
         setattr(model.get_submodule(parent), leaf, quantized)
-    # The output projection's int8 blocks (for a tied model, the embedding's: its float copy stays for lookups).
-    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    kept = int8_blocks([renamed[head]], None) if keep_codes and head in renamed else None
-    if kept is not None and kept.qweight.shape == (cfg.vocab_size, cfg.hidden_size):
+    # A tied output projection as the embedding's codes (the embedding itself stays float, for its lookups).
+    embedding = "model.embed_tokens.weight"
+    tied_head = keep_codes and cfg.tie_word_embeddings and embedding in plan
+    if tied_head and (kept := kept_codes(embedding, None)) is not None:
         model.lm_head = kept
     model.tie_weights()
     model.init_buffers(device)

@@ -176,7 +176,7 @@ def quantize_model(model: nn.Module, scheme: str, *, output: bool = True) -> nn.
     schemes: dict[str, str] = {}
     for name in names:
         module = model.get_submodule(name)
-        if getattr(module, "float_activations", False):  # a checkpoint's own 4-bit codes kept by a float load
+        if getattr(module, "float_activations", False):  # a checkpoint's own codes kept by a float load
             if spec.takes(module):  # those codes are this scheme's: kept, for the scheme's kernels
                 module.float_activations = False
                 module.prepare()
