@@ -866,26 +866,33 @@ def test_the_default_model_keeps_its_q4_1_projections_on_a_cpu(smollm2_gguf):
     assert load(str(smollm2_gguf), device="cpu", dtype="bfloat16", progress=False).kept_codes == 0
 
 
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q5_0])
+@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q5_0, QT.Q6_K])
 def test_int8_blocks_are_the_files_weights(qtype):
-    """Q8_0 and Q5_0 rows as int8 codes and a scale a block of 32: code * scale is gguf-py's dequantized weight,
-    bit for bit (the Q5_0 codes' fifth bits from every position of qh)."""
+    """Q8_0 and Q5_0 rows as int8 codes and a scale a block of 32, Q6_K's a block of 16: code * scale is
+    gguf-py's dequantized weight, bit for bit (the Q5_0 codes' fifth bits from every position of qh; Q6_K's
+    random blocks reach every code, every scale and every bit of qh)."""
     from ember.loading.gguf import int8_blocks
 
     rng = np.random.default_rng(0)
-    w = (rng.standard_normal((16, 256)) * rng.uniform(0.01, 2.0, (16, 1))).astype(np.float32)
-    data = gguf.quants.quantize(w, qtype)
+    if qtype == QT.Q6_K:  # gguf-py does not quantize to Q6_K: random blocks with a sane d
+        data = _random_blocks((16, 512), qtype, rng)
+    else:
+        w = (rng.standard_normal((16, 512)) * rng.uniform(0.01, 2.0, (16, 1))).astype(np.float32)
+        data = gguf.quants.quantize(w, qtype)
     codes, scales = int8_blocks(data, qtype)
+    block = {QT.Q6_K: 16}.get(qtype, 32)
+    assert codes.shape == (16, 512) and scales.shape == (16, 512 // block)
     want = gguf.quants.dequantize(data, qtype)
-    got = (codes.astype(np.float32).reshape(16, -1, 32) * scales[..., None]).reshape(16, 256)
+    got = (codes.astype(np.float32).reshape(16, -1, block) * scales[..., None]).reshape(16, 512)
     assert codes.dtype == np.int8 and np.array_equal(got, want)
-    assert {QT.Q8_0: 127, QT.Q5_0: 15}[qtype] == codes.max()
+    assert {QT.Q8_0: 127, QT.Q5_0: 15, QT.Q6_K: 31}[qtype] == codes.max()
 
 
-@pytest.mark.parametrize("head", [QT.Q4_0, QT.Q8_0, QT.Q6_K])
+@pytest.mark.parametrize("head", [QT.Q4_0, QT.Q8_0, QT.Q6_K, QT.Q5_K])
 def test_an_untied_output_projection_keeps_its_own_codes(tmp_path, head):
-    """An output projection of its own (output.weight) is kept like a projection: Q4_0 as int4 groups, Q8_0 as
-    int8 blocks, Q6_K (no kernel takes it as it is) float; the logits are the dequantized model's."""
+    """An output projection of its own (output.weight) is kept like a projection: Q4_0 as int4 groups, Q8_0 and
+    Q6_K as int8 blocks (of 32, of 16), Q5_K (no kernel takes it as it is) float; the logits are the
+    dequantized model's."""
     from torch import nn
 
     from ember.engine.kv_cache import StaticKVCache
@@ -906,9 +913,11 @@ def test_an_untied_output_projection_keeps_its_own_codes(tmp_path, head):
     kw = dict(device="cpu", dtype=torch.float32, origin=str(path), progress=False)
     kept = build_model(cfg, get_family(cfg.architecture), GGUFSource(reader), keep_codes=True, **kw)
     whole = _build(path, None)
-    want = {QT.Q4_0: Int4WeightOnlyLinear, QT.Q8_0: Int8BlockLinear, QT.Q6_K: nn.Linear}[head]
+    want = {QT.Q4_0: Int4WeightOnlyLinear, QT.Q8_0: Int8BlockLinear, QT.Q6_K: Int8BlockLinear}.get(
+        head, nn.Linear
+    )
     assert isinstance(kept.lm_head, want)
-    if head != QT.Q6_K:
+    if head != QT.Q5_K:
         assert torch.equal(kept.lm_head.dequantize(), whole.lm_head.weight)
     tokens = torch.tensor([[1, 5, 9, 3, 7]])
     logits = []

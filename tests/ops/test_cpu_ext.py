@@ -86,20 +86,24 @@ def test_int4_gemv_f32_is_the_float_linear_on_the_dequantized_weights(ops, group
     assert (rounded - want).abs().max() > 2e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 37])
-def test_int8_gemv_f32_is_the_float_linear_on_the_blocks_weights(ops, rows):
-    """int8 codes (-128..127: the layout's +128 taken off) times a float32 scale a block of 32 k, float
+def test_int8_gemv_f32_is_the_float_linear_on_the_blocks_weights(ops, rows, block):
+    """int8 codes (-128..127: the layout's +128 taken off) times a float32 scale a block of 16 or 32 k, float
     activations as they are: the float64 linear on q * scale but for float32 sums."""
     torch.manual_seed(rows)
     N, K = 48, 512
     codes = torch.randint(-128, 128, (N, K), dtype=torch.int8)
-    scales = torch.rand(N, K // 32) * 0.01
+    scales = torch.rand(N, K // block) * 0.01
     x = activations(rows, K)
     want = cpu_ext.int8_f32_reference(x, codes, scales)
-    got = ops.int8_gemv_f32(x, cpu_ext.int8_tiles(codes), cpu_ext.int8_block_scales(scales))
+    got = ops.int8_gemv_f32(x, cpu_ext.int8_tiles(codes), cpu_ext.int8_block_scales(scales), block)
     assert (got - want).abs().max() <= 2e-6 * want.abs().max()
+    # the other block size's reading of the same scales would be far off: the test tells them apart
     with pytest.raises(RuntimeError, match=r"scales .* \(float32\)"):
-        ops.int8_gemv_f32(x, cpu_ext.int8_tiles(codes), scales.half())
+        ops.int8_gemv_f32(x, cpu_ext.int8_tiles(codes), cpu_ext.int8_block_scales(scales), 48 - block)
+    with pytest.raises(RuntimeError, match=r"scales .* \(float32\)"):
+        ops.int8_gemv_f32(x, cpu_ext.int8_tiles(codes), scales.half(), block)
 
 
 def amx_builds() -> tuple:

@@ -597,18 +597,34 @@ def int4_blocks(
     return codes.reshape(N, -1), scales.reshape(N, -1), mins.reshape(N, -1)
 
 
-# GGUF block types whose values are int8 codes times one scale per 32 weights along a row, w = code * scale:
-# Ember's int8 blocks (`ember.quant.linear.Int8BlockLinear`). Q8_0: f16 d, 32 int8 codes (w = d q); Q5_0: f16 d,
-# 4 bytes of the codes' fifth bits, 16 bytes of their low nibbles (w = d (q - 16)).
-_INT8_BLOCK_BYTES = {gguf.GGMLQuantizationType.Q8_0: 34, gguf.GGMLQuantizationType.Q5_0: 22}
+# GGUF block types whose values are int8 codes times one scale per 32 (or 16) weights along a row,
+# w = code * scale: Ember's int8 blocks (`ember.quant.linear.Int8BlockLinear`). Q8_0: f16 d, 32 int8 codes
+# (w = d q); Q5_0: f16 d, 4 bytes of the codes' fifth bits, 16 bytes of their low nibbles (w = d (q - 16));
+# Q6_K, per 256 weights: 128 bytes of the codes' low nibbles, 64 of their top two bits, sixteen int8 scales
+# of 16 weights each, f16 d (w = d sc (q - 32)).
+_INT8_BLOCK_BYTES = {
+    gguf.GGMLQuantizationType.Q8_0: 34,
+    gguf.GGMLQuantizationType.Q5_0: 22,
+    gguf.GGMLQuantizationType.Q6_K: 210,
+}
 
 
 def int8_blocks(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray] | None:
-    """Rows of Q8_0 or Q5_0 blocks (N, bytes per row) -> codes int8 (N, K) and scales float32 (N, K/32), with
-    code * scale equal to ggml's dequantized weight; None for other types."""
+    """Rows of Q8_0, Q5_0 or Q6_K blocks (N, bytes per row) -> codes int8 (N, K) and scales float32 (N, K/32;
+    Q6_K: N, K/16), with code * scale equal to ggml's dequantized weight; None for other types."""
     if (b := _blocks(data, _INT8_BLOCK_BYTES.get(qtype))) is None:
         return None
     N = data.shape[0]
+    if qtype == gguf.GGMLQuantizationType.Q6_K:
+        ql, qh, sc = b[..., :128], b[..., 128:192], b[..., 192:208].view(np.int8).astype(np.float32)
+        scales = _f16(b[..., 208:210])[..., None] * sc  # exact: an f16 times an int8
+        # Each half of 128 weights: ql's 64 bytes, qh's 32; weight 32 j + l of the half (j < 4, l < 32) has
+        # the low (j < 2) or high nibble of ql byte 32 (j % 2) + l and bits 2 j of qh byte l.
+        ql, qh = ql.reshape(N, -1, 2, 2, 32), qh.reshape(N, -1, 2, 1, 32)
+        low = np.concatenate([ql & 15, ql >> 4], axis=3)  # (N, blocks, half, j, l)
+        high = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1)) & 3
+        codes = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 32
+        return codes.astype(np.int8).reshape(N, -1), scales.reshape(N, -1)
     scales = _f16(b[..., 0:2])
     if qtype == gguf.GGMLQuantizationType.Q8_0:
         codes = np.ascontiguousarray(b[..., 2:]).view(np.int8)

@@ -165,7 +165,7 @@ def load(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> str:
                 ("int4_gemm_bf16", _int4_fake),
                 ("int4_silu_gate_up_bf16", _int4_glu_fake),
                 ("int8_gemv", _int8_fake),
-                ("int8_gemv_f32", _int8_fake),
+                ("int8_gemv_f32", _int8_blocks_fake),
                 ("decode_attention", _attention_fake),
                 ("paged_decode_attention", _attention_fake),
                 ("rope_decode_attention", _rope_attention_fake),
@@ -233,6 +233,10 @@ def _int8_fake(x, packed, scales):
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)
 
 
+def _int8_blocks_fake(x, packed, scales, block):
+    return x.new_empty(x.shape[0], packed.shape[0] * TILE)
+
+
 def _attention_fake(q, *args):
     return torch.empty_like(q)
 
@@ -265,17 +269,18 @@ def int8_tiles(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def int8_block_scales(scales: torch.Tensor) -> torch.Tensor:
-    """(N, K/32) scales of int8 blocks of 32 k -> `int8_gemv_f32`'s (N/16, K/32, 16) float32: a tile's 16 rows'
+    """(N, K/b) scales of int8 blocks of b k -> `int8_gemv_f32`'s (N/16, K/b, 16) float32: a tile's 16 rows'
     scales of each block together."""
     N, B = scales.shape
     return scales.float().reshape(N // TILE, TILE, B).transpose(1, 2).contiguous()
 
 
 def int8_f32_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`int8_gemv_f32` in plain torch: the float linear on the weights q * scale (a scale a block of 32 k),
-    summed in float64 (the kernel's float32 sums differ from it by their rounding alone)."""
+    """`int8_gemv_f32` in plain torch: the float linear on the weights q * scale (a scale a block of K / (N, K/b)
+    scales' b k), summed in float64 (the kernel's float32 sums differ from it by their rounding alone)."""
     N, K = qweight.shape
-    w = (qweight.double().reshape(N, K // BLOCK, BLOCK) * scales.double()[..., None]).reshape(N, K)
+    b = K // scales.shape[1]
+    w = (qweight.double().reshape(N, K // b, b) * scales.double()[..., None]).reshape(N, K)
     return F.linear(x.double(), w).float()
 
 

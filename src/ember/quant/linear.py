@@ -608,9 +608,9 @@ class Int4WeightOnlyLinear(QuantLinear):
 
 
 class Int8BlockLinear(QuantLinear):
-    """int8 codes with a float32 scale a block of 32 along K, w = code * scale: a GGUF file's Q8_0 and Q5_0
-    tensors as they are, kept by a float load (`ember.loading.weights.build_model(keep_codes=True)`) and
-    computed with float activations, so the module gives the dequantized weights' float linear. Not a
+    """int8 codes with a float32 scale a block of 16 or 32 along K, w = code * scale: a GGUF file's Q8_0, Q5_0
+    and Q6_K tensors as they are, kept by a float load (`ember.loading.weights.build_model(keep_codes=True)`)
+    and computed with float activations, so the module gives the dequantized weights' float linear. Not a
     `--quantize` scheme (nothing saves it); a scheme asked of a model that holds one quantizes the weights it
     stands for (`dequantize`).
 
@@ -618,28 +618,36 @@ class Int8BlockLinear(QuantLinear):
     `cpu_ext.int8_tiles`' layout); "float" elsewhere (the weights dequantized for each call)."""
 
     scheme = "int8-blocks"
-    BLOCK = 32
+    BLOCKS = (16, 32)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, block: int = 32
+    ) -> None:
         super().__init__(in_features, out_features, bias, dtype)
-        if in_features % self.BLOCK:
-            raise ValueError(f"in_features={in_features} is not a multiple of {self.BLOCK}")
+        if block not in self.BLOCKS or in_features % 32:
+            raise ValueError(
+                f"int8 blocks of {block} over in_features={in_features}: expected blocks of 16 or 32 and "
+                "in_features a multiple of 32"
+            )
+        self.block = block
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
-        self.register_buffer("scales", torch.ones(out_features, in_features // self.BLOCK))
+        self.register_buffer("scales", torch.ones(out_features, in_features // block))
         self.float_activations = True
 
     @classmethod
     def from_codes(
         cls, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
     ) -> Int8BlockLinear:
-        """Codes int8 (N, K) with their (N, K/32) scales, taken as they are; on codes' device."""
-        (N, K) = codes.shape
-        if codes.dtype != torch.int8 or scales.shape != (N, K // cls.BLOCK) or K % cls.BLOCK:
+        """Codes int8 (N, K) with their (N, K/b) scales (blocks b of 16 or 32), taken as they are; on codes'
+        device."""
+        (N, K), B = codes.shape, scales.shape[-1]
+        block = K // B if B and K % B == 0 else 0
+        if codes.dtype != torch.int8 or scales.shape != (N, B) or block not in cls.BLOCKS:
             raise ValueError(
                 f"int8 blocks: codes {tuple(codes.shape)} {codes.dtype} with scales {tuple(scales.shape)}; "
-                f"expected int8 (N, K) codes and (N, K/{cls.BLOCK}) scales"
+                "expected int8 (N, K) codes and (N, K/16) or (N, K/32) scales"
             )
-        m = cls(K, N, bias is not None, dtype).to(codes.device)
+        m = cls(K, N, bias is not None, dtype, block).to(codes.device)
         m.qweight, m.scales = codes, scales.float()
         if bias is not None:
             m.bias.copy_(bias)
@@ -647,7 +655,7 @@ class Int8BlockLinear(QuantLinear):
 
     def dequantize(self) -> torch.Tensor:
         N, K = self.qweight.shape
-        return (self.qweight.float().reshape(N, -1, self.BLOCK) * self.scales[..., None]).reshape(N, K)
+        return (self.qweight.float().reshape(N, -1, self.block) * self.scales[..., None]).reshape(N, K)
 
     def prepare(self) -> None:
         cpu = self.qweight.device.type == "cpu" and self.dtype == torch.float32
@@ -667,7 +675,7 @@ class Int8BlockLinear(QuantLinear):
         if self._kernel == "cpu_f32":
             if x2.dtype != torch.float32 or not x2.is_contiguous():
                 x2 = x2.float().contiguous()
-            y = torch.ops.ember_cpu.int8_gemv_f32(x2, self._tiles, self._scales_f32).to(x.dtype)
+            y = torch.ops.ember_cpu.int8_gemv_f32(x2, self._tiles, self._scales_f32, self.block).to(x.dtype)
         else:
             y = F.linear(x2, self.dequantize().to(x.dtype))
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))

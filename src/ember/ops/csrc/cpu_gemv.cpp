@@ -661,28 +661,33 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 }
 
 // R float activation rows (x + r * K) against one int8 tile (int8_tiles' layout, codes plus 128) with a float32
-// scale for each block of 32 k (scales: (K/32, 16)): out[r * N + l] = sum_b scale_b * sum_k q x, in float32.
+// scale for each block of `block` k, 16 or 32 (scales: (K/block, 16)): out[r * N + l] = sum_b scale_b * sum_k q
+// x, in float32.
 template <int R>
-void int8_tile_f32(const uint8_t* w, const float* scales, const float* x, int64_t K, float* out, int64_t N) {
+void int8_tile_f32(const uint8_t* w, const float* scales, const float* x, int64_t K, int64_t block, float* out,
+                   int64_t N) {
   constexpr int C = R >= 4 ? 1 : 4 / R;
   F16x acc[R];
   for (int r = 0; r < R; ++r) acc[r] = fzero();
   for (int64_t b = 0; b < K / kBlock; ++b) {
-    F16x part[R][C];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) part[r][c] = fzero();
-    for (int i = 0; i < 8; ++i) {  // run i: k = 4i + j of each row
-      const auto v = flip_bytes(load64(w + b * 512 + 64 * i));
-      for (int j = 0; j < 4; ++j) {
-        const F16x q = to_float(signed_byte(v, j));
-        for (int r = 0; r < R; ++r) part[r][j % C] = fma(q, fset(x[r * K + b * kBlock + 4 * i + j]), part[r][j % C]);
+    for (int h = 0; h < 2; ++h) {  // runs 4h..4h+3: k 16h..16h+15, a block of 16 (with blocks of 32, half one)
+      F16x part[R][C];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) part[r][c] = fzero();
+      for (int i = 4 * h; i < 4 * h + 4; ++i) {  // run i: k = 4i + j of each row
+        const auto v = flip_bytes(load64(w + b * 512 + 64 * i));
+        for (int j = 0; j < 4; ++j) {
+          const F16x q = to_float(signed_byte(v, j));
+          for (int r = 0; r < R; ++r)
+            part[r][j % C] = fma(q, fset(x[r * K + b * kBlock + 4 * i + j]), part[r][j % C]);
+        }
       }
-    }
-    const F16x scale = load_float(scales + b * kTile);
-    for (int r = 0; r < R; ++r) {
-      F16x sum = part[r][0];
-      for (int c = 1; c < C; ++c) sum = fadd(sum, part[r][c]);
-      acc[r] = fma(sum, scale, acc[r]);
+      const F16x scale = load_float(scales + (block == 16 ? 2 * b + h : b) * kTile);
+      for (int r = 0; r < R; ++r) {
+        F16x sum = part[r][0];
+        for (int c = 1; c < C; ++c) sum = fadd(sum, part[r][c]);
+        acc[r] = fma(sum, scale, acc[r]);
+      }
     }
   }
   for (int r = 0; r < R; ++r) store(out + r * N, acc[r]);
@@ -721,21 +726,22 @@ at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
   return out;
 }
 
-// y = x @ w.T in float32 with int8 weights as they are, a float32 scale a block of 32 k: w = q * scale
-// (scales (N/16, K/32, 16)); a GGUF file's Q8_0 / Q5_0 weights without a float copy of them.
-at::Tensor int8_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+// y = x @ w.T in float32 with int8 weights as they are, a float32 scale a block of 16 or 32 k: w = q * scale
+// (scales (N/16, K/block, 16)); a GGUF file's Q8_0 / Q5_0 / Q6_K weights without a float copy of them.
+at::Tensor int8_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t block) {
   check_operands(x, packed, 512);
   const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * (K / kBlock),
-              "scales ", scales.sizes(), " do not match ", tiles, " tiles of ", K / kBlock, " blocks (float32)");
+  TORCH_CHECK(block == 16 || block == 32, "block ", block, " is not 16 or 32");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * (K / block),
+              "scales ", scales.sizes(), " do not match ", tiles, " tiles of ", K / block, " blocks (float32)");
   auto out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
   over_tiles(tiles, M, [&](auto R, int64_t t, int64_t m) {
-    int8_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 512, sp + t * (K / kBlock) * kTile, xp + m * K, K,
-                                      op + m * N + t * kTile, N);
+    int8_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 512, sp + t * (K / block) * kTile, xp + m * K, K,
+                                      block, op + m * N + t * kTile, N);
   });
   return out;
 }
@@ -946,7 +952,7 @@ bool amx_bf16() {
 EMBER_LIBRARY_FRAGMENT(EMBER_CPU_NAMESPACE, m) {
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
   m.def("int4_gemv_f32(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
-  m.def("int8_gemv_f32(Tensor x, Tensor packed, Tensor scales) -> Tensor");
+  m.def("int8_gemv_f32(Tensor x, Tensor packed, Tensor scales, int block) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("simd() -> str");
   m.def("int4_gemm_bf16(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
