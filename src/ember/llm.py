@@ -11,7 +11,7 @@ cache, optionally compiled) and yields text deltas as they become final. Outputs
 
 `LLM(..., quantize="int4-g32")` quantizes the weights; the quantized weights are cached on disk so later
 starts skip it (`quant_cache=False` turns that off; see `ember.quant.cache`). Without a scheme, a GGUF file's
-projections held in blocks Ember's CPU kernels take (Q4_0/Q4_1/Q4_K, Q8_0/Q5_0) stay as the file holds them in
+projections held in blocks Ember's CPU kernels take (Q4_0/Q4_1/Q4_K, Q8_0/Q5_0/Q6_K) stay as the file holds them in
 float32 on a CPU (`ember.loading.checkpoint.keeps_codes`: the dequantized model's values); `quantize="none"`
 dequantizes every weight.
 """

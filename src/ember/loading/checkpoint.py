@@ -106,7 +106,7 @@ def source_files(resolved: ResolvedModel) -> list[Path]:
 
 def keeps_codes(fmt: str, quantize: str | None, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether loading a checkpoint of format `fmt` without a scheme keeps the projections (and the output
-    projection) it holds in Q4_0/Q4_1/Q4_K or Q8_0/Q5_0 blocks as they are (`ember.loading.weights.build_model(
+    projection) it holds in Q4_0/Q4_1/Q4_K or Q8_0/Q5_0/Q6_K blocks as they are (`ember.loading.weights.build_model(
     keep_codes=True)`): a GGUF file, float32 on a CPU where Ember's CPU kernels run. Those projections then
     compute the float model's values (float activations, float32 sums) from the file's 4.5-9 bits a weight
     instead of dequantized float32: SmolLM2-135M Q4_1 decodes ~3x faster on 2 cores, Gemma 3 270M Q4_K_M ~2x

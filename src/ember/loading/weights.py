@@ -113,7 +113,7 @@ def build_model(
 
     keep_codes (without `quantize`): the projections, and the output projection, that the source holds in
     blocks of 32 Ember's kernels take as they are stay those codes, computed with float activations: int4
-    groups (GGUF's Q4_0 / Q4_1 / Q4_K: `Int4WeightOnlyLinear.float_activations`) and int8 blocks (Q8_0 / Q5_0:
+    groups (GGUF's Q4_0 / Q4_1 / Q4_K: `Int4WeightOnlyLinear.float_activations`) and int8 blocks (Q8_0 / Q5_0 / Q6_K:
     `Int8BlockLinear`). The float model's values, without its float weights; the rest is read as float, as
     without it (the embedding too, for its lookups)."""
     from ember.quant import GGUF_GROUP, QuantSpec, check_fits, quantized_projections
