@@ -492,6 +492,14 @@ def _cache(config, length: int, batch: int = 1):
     return StaticKVCache(config, batch_size=batch, max_seq_len=length, device="cpu", dtype=torch.float32)
 
 
+def _prompt_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """The logits of one prompt (1, T) through a fresh cache."""
+    with torch.inference_mode():
+        return model.compute_logits(
+            model(tokens, torch.arange(tokens.shape[1])[None], _cache(model.config, 8))
+        )
+
+
 def _fuse_experts(sd: dict[str, torch.Tensor], n_exp: int) -> dict[str, torch.Tensor]:
     """Stack our per-expert tensors the way transformers holds Qwen3-MoE experts in memory."""
     out = {k: v for k, v in sd.items() if ".experts." not in k}
@@ -710,7 +718,6 @@ def test_the_gguf_scheme_keeps_4bit_tensors_and_takes_the_rest_to_int8(tmp_path)
     """--quantize gguf: 4-bit projections as the file's int4 codes, the others int8 per channel (as the int8
     scheme quantizes them), the output projection int8-dyn; each projection's scheme is recorded, and a saved
     model loads back the same, module for module, with the same logits."""
-    from ember.engine.kv_cache import StaticKVCache
     from ember.quant import load_quantized, quantize_model, save_quantized
     from ember.quant.linear import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
@@ -736,12 +743,7 @@ def test_the_gguf_scheme_keeps_4bit_tensors_and_takes_the_rest_to_int8(tmp_path)
     for name, module in model.named_modules():
         assert type(saved.get_submodule(name)) is type(module), name
     tokens = torch.tensor([[1, 5, 9, 3, 7]])
-    logits = []
-    for m in (model, saved):
-        cache = StaticKVCache(m.config, batch_size=1, max_seq_len=8, device="cpu", dtype=torch.float32)
-        with torch.inference_mode():
-            logits.append(m.compute_logits(m(tokens, torch.arange(5)[None], cache)))
-    assert torch.equal(logits[0], logits[1])
+    assert torch.equal(_prompt_logits(model, tokens), _prompt_logits(saved, tokens))
     with pytest.raises(EmberError, match="'gguf' keeps a GGUF file's own quantization"):
         quantize_model(_build(path, None), "gguf")
 
@@ -895,7 +897,6 @@ def test_an_untied_output_projection_keeps_its_own_codes(tmp_path, head):
     dequantized model's."""
     from torch import nn
 
-    from ember.engine.kv_cache import StaticKVCache
     from ember.loading.gguf import GGUFSource
     from ember.loading.weights import build_model
     from ember.models.registry import config_from_hf, get_family
@@ -920,9 +921,5 @@ def test_an_untied_output_projection_keeps_its_own_codes(tmp_path, head):
     if head != QT.Q5_K:
         assert torch.equal(kept.lm_head.dequantize(), whole.lm_head.weight)
     tokens = torch.tensor([[1, 5, 9, 3, 7]])
-    logits = []
-    for m in (kept, whole):
-        cache = StaticKVCache(m.config, batch_size=1, max_seq_len=8, device="cpu", dtype=torch.float32)
-        with torch.inference_mode():
-            logits.append(m.compute_logits(m(tokens, torch.arange(5)[None], cache)))
-    assert (logits[0] - logits[1]).abs().max() <= 1e-5 * logits[1].abs().max()
+    got, want = _prompt_logits(kept, tokens), _prompt_logits(whole, tokens)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
