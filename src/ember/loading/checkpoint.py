@@ -129,8 +129,8 @@ def load(
     quant_cache: bool = True,
 ) -> LoadedModel:
     """`quantize` names an `ember.quant` scheme (int8, int4, int4-g32, int8-dyn ...) applied after loading.
-    Without one, a GGUF file's 4-bit projections stay as they are on a CPU (`keeps_codes`); "none": every
-    weight dequantized to `dtype`.
+    Without one, a GGUF file's projections held in blocks Ember's CPU kernels take stay as they are on a CPU
+    (`keeps_codes`); "none": every weight dequantized to `dtype`.
 
     With `quant_cache` (the default) a quantized model comes from, or is saved to, the quantized-weights
     cache (`ember.quant.cache`), so the float weights are read and quantized once per checkpoint and scheme.

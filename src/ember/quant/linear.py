@@ -65,6 +65,12 @@ def round_bf16(t: torch.Tensor) -> torch.Tensor:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).view(torch.float32)
 
 
+def float32_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the contiguous float32 rows Ember's CPU kernels take (x itself where it is: a no-op call costs ~1 us
+    in an eager step)."""
+    return x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+
+
 def cpu_float_gemm(x: torch.Tensor) -> bool:
     """Whether a forward on rows x (M, K) takes `float_gemm_as_kernel` (see CPU_DEQUANT_ROWS)."""
     return x.is_cpu and x.shape[0] >= CPU_DEQUANT_ROWS and is_compiling()
@@ -394,14 +400,13 @@ class Int4WeightOnlyLinear(QuantLinear):
         self._whole_rows = False  # decode GEMVs by the CUDA C++ int4 kernel over whole rows of K
         inner = next((t for t in (8, 4, 2) if self.in_features % (16 * t) == 0), None)
         cuda_ok = self.dtype == torch.bfloat16 and self.out_features % 8 == 0 and inner is not None
-        cpu_kernels = dev.type == "cpu" and cpu_ext.fits(self.out_features, self.in_features)
-        if cpu_kernels and self.float_activations:
-            float32 = self.dtype == torch.float32 and cpu_ext.available()
-            self._kernel = "cpu_f32" if float32 else "triton"  # (on CPU "triton" dequantizes, float matmul)
-        elif cpu_kernels and cpu_ext.available():
+        cpu_kernels = (
+            dev.type == "cpu" and cpu_ext.fits(self.out_features, self.in_features) and cpu_ext.available()
+        )
+        if dev.type == "cpu" and self.float_activations:  # (on CPU "triton" dequantizes for a float matmul)
+            self._kernel = "cpu_f32" if cpu_kernels and self.dtype == torch.float32 else "triton"
+        elif cpu_kernels:
             self._kernel = "cpu_dot"
-        elif dev.type == "cpu" and self.float_activations:
-            self._kernel = "triton"
         elif dev.type == "cpu":
             self._kernel = "tinygemm" if self.out_features % 16 == 0 else "triton"
         elif (
@@ -497,7 +502,7 @@ class Int4WeightOnlyLinear(QuantLinear):
             y = kernels.int4_mma_silu_gate_up(x2, self._words, self._msz, self.group_size)
         elif self._on_tile_unit(x2.shape[0]):
             y = torch.ops.ember_cpu.int4_silu_gate_up_bf16(
-                x2.float().contiguous(), self._tiles, self._scale_min, self.group_size
+                float32_rows(x2), self._tiles, self._scale_min, self.group_size
             ).to(x.dtype)
         else:
             return None
@@ -586,14 +591,12 @@ class Int4WeightOnlyLinear(QuantLinear):
             # (and for a decode step's few rows) the activations' int8 codes.
             many = self._on_tile_unit(x2.shape[0])
             gemm = torch.ops.ember_cpu.int4_gemm_bf16 if many else torch.ops.ember_cpu.int4_gemv
-            if x2.dtype != torch.float32 or not x2.is_contiguous():  # (no-op calls cost ~1 us each, eager)
-                x2 = x2.float().contiguous()
-            y = gemm(x2, self._tiles, self._scale_min, self.group_size)
+            y = gemm(float32_rows(x2), self._tiles, self._scale_min, self.group_size)
             y = y if y.dtype == x.dtype else y.to(x.dtype)
         elif self._kernel == "cpu_f32":
-            if x2.dtype != torch.float32 or not x2.is_contiguous():
-                x2 = x2.float().contiguous()
-            y = torch.ops.ember_cpu.int4_gemv_f32(x2, self._tiles, self._scale_min_f32, self.group_size)
+            y = torch.ops.ember_cpu.int4_gemv_f32(
+                float32_rows(x2), self._tiles, self._scale_min_f32, self.group_size
+            )
             y = y if y.dtype == x.dtype else y.to(x.dtype)
         elif self._kernel == "tinygemm":
             # bf16 activations: the only dtype of the CUDA kernel, and the CPU kernel's float32 path is not
@@ -673,9 +676,8 @@ class Int8BlockLinear(QuantLinear):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self._kernel == "cpu_f32":
-            if x2.dtype != torch.float32 or not x2.is_contiguous():
-                x2 = x2.float().contiguous()
-            y = torch.ops.ember_cpu.int8_gemv_f32(x2, self._tiles, self._scales_f32, self.block).to(x.dtype)
+            y = torch.ops.ember_cpu.int8_gemv_f32(float32_rows(x2), self._tiles, self._scales_f32, self.block)
+            y = y if y.dtype == x.dtype else y.to(x.dtype)
         else:
             y = F.linear(x2, self.dequantize().to(x.dtype))
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
