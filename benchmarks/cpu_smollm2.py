@@ -8,6 +8,9 @@ step, EMBER_AOTI=0, for comparison).
 
     taskset -c 0,1 python benchmarks/cpu_smollm2.py --threads 2
 
+`--gguf FILE` runs another GGUF file of the model (say one llama.cpp's quantize made: Q5_K_M, Q3_K_M, ...)
+instead of the packaged Q4_1 one.
+
 Needs llama-cpp-python (built as BENCHMARKS.md says) and transformers.
 """
 
@@ -39,10 +42,10 @@ def prompt_ids(vocab: int) -> list[int]:
     return torch.randint(0, vocab, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
-def bench_llama_cpp(threads: int) -> dict:
+def bench_llama_cpp(path: str, threads: int) -> dict:
     from llama_cpp import Llama
 
-    llm = Llama(model_path=gguf_path(), n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
     ids = prompt_ids(llm.n_vocab())
     pre, dec = [], []
     for i in range(REPEATS + 1):
@@ -60,19 +63,19 @@ def bench_llama_cpp(threads: int) -> dict:
             pre.append(PROMPT / t_pre)
             dec.append((NEW - 1) / t_dec)
     return dict(
-        engine="llama.cpp (Q4_1 GGUF)",
+        engine="llama.cpp (the GGUF's own weights)",
         prefill_tok_s=round(median(pre), 1),
         decode_tok_s=round(median(dec), 1),
     )
 
 
-def bench_transformers() -> dict:
+def bench_transformers(file: str) -> dict:
     import importlib.util
     from pathlib import Path
 
     from transformers import AutoModelForCausalLM
 
-    path = Path(gguf_path())
+    path = Path(file)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     ids = torch.tensor([prompt_ids(model.config.vocab_size)])
     pre, dec = [], []
@@ -95,7 +98,7 @@ def bench_transformers() -> dict:
     )
 
 
-def bench_ember(quantize: str | None, compile: bool, aoti: bool = True) -> dict:
+def bench_ember(path: str, quantize: str | None, compile: bool, aoti: bool = True) -> dict:
     import os
 
     from ember.bench import run_bench
@@ -103,7 +106,7 @@ def bench_ember(quantize: str | None, compile: bool, aoti: bool = True) -> dict:
 
     os.environ["EMBER_AOTI"] = "1" if aoti else "0"  # read when the Generator is made
 
-    loaded = load("smollm2-135m-instruct", device="cpu", progress=False, quantize=quantize)
+    loaded = load(path, device="cpu", progress=False, quantize=quantize)
     scheme = None if quantize in (None, "none") else quantize
     r = run_bench(
         loaded.model,
@@ -117,7 +120,7 @@ def bench_ember(quantize: str | None, compile: bool, aoti: bool = True) -> dict:
         compile_prefill=compile,
         quantize=scheme,
     )
-    name = {None: "fp32 (Q4_1 projections kept)", "none": "fp32"}.get(quantize, quantize)
+    name = {None: f"fp32 ({loaded.kept_codes} kept as codes)", "none": "fp32"}.get(quantize, quantize)
     label = f"ember {name}{(' AOTI' if aoti else ' torch.compile') if compile else ''}"
     return dict(
         engine=label,
@@ -131,22 +134,24 @@ def bench_ember(quantize: str | None, compile: bool, aoti: bool = True) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--gguf", default=None, help="a GGUF file of the model (default: the packaged Q4_1 one)")
     ap.add_argument(
         "--ember",
         nargs="*",
         default=["default", "none", "int4-g32", "int8-dyn"],
-        help="quantize schemes; default: none given (the file's 4-bit projections kept), none: dequantized",
+        help="quantize schemes; default: none given (the file's codes kept), none: dequantized",
     )
     ap.add_argument(
         "--torch-compile", action="store_true", help="also run each scheme with torch.compile's decode step"
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    rows = [bench_llama_cpp(args.threads), bench_transformers()]
+    path = args.gguf or gguf_path()
+    rows = [bench_llama_cpp(path, args.threads), bench_transformers(path)]
     for q in args.ember:
-        rows.append(bench_ember(None if q == "default" else q, compile=True))
+        rows.append(bench_ember(path, None if q == "default" else q, compile=True))
         if args.torch_compile:
-            rows.append(bench_ember(None if q == "none" else q, compile=True, aoti=False))
+            rows.append(bench_ember(path, None if q == "default" else q, compile=True, aoti=False))
     for r in rows:
         print("RESULT " + json.dumps(r), flush=True)
     ref = rows[0]

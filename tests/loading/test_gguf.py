@@ -346,14 +346,18 @@ def _write(w: gguf.GGUFWriter) -> None:
     w.close()
 
 
+_K_TYPES = (QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K)
+
+
 def _random_blocks(shape: tuple[int, int], qtype, rng) -> np.ndarray:
     """Random K-quant blocks (gguf-py cannot quantize to K types) with small finite fp16 scales."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     n = shape[0] * shape[1] // block
     raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
     scale = np.frombuffer(np.float16(0.01).tobytes(), dtype=np.uint8)
-    # d/dmin lead the block for Q4_K/Q5_K; Q6_K keeps d at the end.
-    offsets = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (size - 2,)}[qtype]
+    # d/dmin lead the block for Q4_K/Q5_K; Q6_K and Q3_K keep d at the end, Q2_K d and dmin.
+    last = (size - 2,)
+    offsets = {QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: last, QT.Q3_K: last, QT.Q2_K: (80, 82)}[qtype]
     for o in offsets:
         raw[:, o : o + 2] = scale
     return raw.reshape(shape[0], shape[1] // block * size)
@@ -380,7 +384,7 @@ def _write_tiny(path: Path, arch: str, spec: dict, rng, hidden: int = E) -> None
         else:
             w.add_uint32(key, value)
     for name, (shape, qtype) in spec["tensors"].items():
-        if qtype in (QT.Q4_K, QT.Q5_K, QT.Q6_K):
+        if qtype in _K_TYPES:
             w.add_tensor(name, _random_blocks(shape, qtype, rng), raw_dtype=qtype)
             continue
         x = rng.standard_normal(shape).astype(np.float32)
@@ -796,7 +800,7 @@ def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_
     """build_model(keep_codes=True), as a float32 CPU load of a GGUF file does (`keeps_codes`): projections whose
     tensors are all 4-bit are the file's int4 codes computed with float activations, the output projection
     the tied embedding's Q8_0 blocks (`Int8BlockLinear`; the embedding stays float for its lookups); gate/up,
-    Q4_0 with a Q5_0 or F16 part, stays float. The logits are those of the model dequantized whole to float32
+    Q4_0 with a Q5_0 part, int8 blocks, with an F16 part float. The logits are those of the model dequantized whole to float32
     rounding, with the same greedy tokens; a scheme asked of it afterwards quantizes the float weights those
     codes stand for (int4-g32 keeps them)."""
     from torch import nn
@@ -823,9 +827,13 @@ def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_
         for proj in _PROJS:
             name = f"model.layers.{i}.{proj}"
             module = kept.get_submodule(name)
-            if proj == "mlp.gate_up_proj":  # up is Q5_0 / F16
+            if proj == "mlp.gate_up_proj" and i == 1:  # up is F16
                 assert isinstance(module, nn.Linear)
                 assert torch.equal(module.weight, float_sd[f"{name}.weight"])
+            elif proj == "mlp.gate_up_proj":  # Q4_0 with a Q5_0 part: int8 blocks with mins, Q5_0's zero
+                assert isinstance(module, Int8BlockLinear) and module._kernel == "cpu_f32", name
+                assert module.mins is not None and not module.mins[128:].any()
+                assert torch.equal(module.dequantize(), float_sd[f"{name}.weight"]), name
             else:
                 assert isinstance(module, Int4WeightOnlyLinear) and module._kernel == "cpu_f32", name
                 assert torch.equal(module.dequantize(), float_sd[f"{name}.weight"]), name
@@ -868,33 +876,54 @@ def test_the_default_model_keeps_its_q4_1_projections_on_a_cpu(smollm2_gguf):
     assert load(str(smollm2_gguf), device="cpu", dtype="bfloat16", progress=False).kept_codes == 0
 
 
-@pytest.mark.parametrize("qtype", [QT.Q8_0, QT.Q5_0, QT.Q6_K])
+# The codes each int8-blocks type reaches: (min, max).
+_INT8_CODES = {
+    QT.Q8_0: (-127, 127),
+    QT.Q6_K: (-32, 31),
+    QT.Q5_0: (-16, 15),
+    QT.Q5_1: (0, 31),
+    QT.Q5_K: (0, 31),
+    QT.Q4_0: (0, 15),  # with a min of -8 d
+    QT.Q4_1: (0, 15),
+    QT.Q4_K: (0, 15),
+    QT.Q3_K: (-4, 3),
+    QT.Q2_K: (0, 3),
+}
+
+
+@pytest.mark.parametrize("qtype", list(_INT8_CODES), ids=lambda q: q.name)
 def test_int8_blocks_are_the_files_weights(qtype):
-    """Q8_0 and Q5_0 rows as int8 codes and a scale a block of 32, Q6_K's a block of 16: code * scale is
-    gguf-py's dequantized weight, bit for bit (the Q5_0 codes' fifth bits from every position of qh; Q6_K's
-    random blocks reach every code, every scale and every bit of qh)."""
+    """Every block type as int8 codes, a scale a block of 32 (Q6_K, Q3_K, Q2_K: 16) and, for the types with
+    them, a min: code * scale + min is gguf-py's dequantized weight, bit for bit (random K-type blocks reach
+    every code, scale, min and bit of their packings; the others quantize real weights)."""
     from ember.loading.gguf import int8_blocks
 
     rng = np.random.default_rng(0)
-    if qtype == QT.Q6_K:  # gguf-py does not quantize to Q6_K: random blocks with a sane d
+    if qtype in _K_TYPES:  # gguf-py does not quantize to K types: random blocks with a sane d
         data = _random_blocks((16, 512), qtype, rng)
     else:
         w = (rng.standard_normal((16, 512)) * rng.uniform(0.01, 2.0, (16, 1))).astype(np.float32)
         data = gguf.quants.quantize(w, qtype)
-    codes, scales = int8_blocks(data, qtype)
-    block = {QT.Q6_K: 16}.get(qtype, 32)
+    codes, scales, mins = int8_blocks(data, qtype)
+    block = 16 if qtype in (QT.Q6_K, QT.Q3_K, QT.Q2_K) else 32
     assert codes.shape == (16, 512) and scales.shape == (16, 512 // block)
+    assert (mins is None) == (qtype in (QT.Q8_0, QT.Q6_K, QT.Q5_0, QT.Q3_K)), "a type without mins has none"
     want = gguf.quants.dequantize(data, qtype)
-    got = (codes.astype(np.float32).reshape(16, -1, block) * scales[..., None]).reshape(16, 512)
-    assert codes.dtype == np.int8 and np.array_equal(got, want)
-    assert {QT.Q8_0: 127, QT.Q5_0: 15, QT.Q6_K: 31}[qtype] == codes.max()
+    got = codes.astype(np.float32).reshape(16, -1, block) * scales[..., None]
+    if mins is not None:
+        got = got + mins[..., None]
+    assert codes.dtype == np.int8 and np.array_equal(got.reshape(16, 512), want)
+    low, high = _INT8_CODES[qtype]
+    assert codes.max() == high and codes.min() >= low
+    if qtype in _K_TYPES or qtype == QT.Q5_1:
+        assert codes.min() == low
 
 
-@pytest.mark.parametrize("head", [QT.Q4_0, QT.Q8_0, QT.Q6_K, QT.Q5_K])
+@pytest.mark.parametrize("head", [QT.Q4_0, QT.Q8_0, QT.Q6_K, QT.Q5_K, QT.F16], ids=lambda q: q.name)
 def test_an_untied_output_projection_keeps_its_own_codes(tmp_path, head):
-    """An output projection of its own (output.weight) is kept like a projection: Q4_0 as int4 groups, Q8_0 and
-    Q6_K as int8 blocks (of 32, of 16), Q5_K (no kernel takes it as it is) float; the logits are the
-    dequantized model's."""
+    """An output projection of its own (output.weight) is kept like a projection: Q4_0 as int4 groups, Q8_0,
+    Q6_K and Q5_K as int8 blocks (of 32, of 16, of 32 with mins), F16 float; the logits are the dequantized
+    model's."""
     from torch import nn
 
     from ember.loading.gguf import GGUFSource
@@ -914,12 +943,54 @@ def test_an_untied_output_projection_keeps_its_own_codes(tmp_path, head):
     kw = dict(device="cpu", dtype=torch.float32, origin=str(path), progress=False)
     kept = build_model(cfg, get_family(cfg.architecture), GGUFSource(reader), keep_codes=True, **kw)
     whole = _build(path, None)
-    want = {QT.Q4_0: Int4WeightOnlyLinear, QT.Q8_0: Int8BlockLinear, QT.Q6_K: Int8BlockLinear}.get(
-        head, nn.Linear
-    )
+    want = {QT.Q4_0: Int4WeightOnlyLinear, QT.F16: nn.Linear}.get(head, Int8BlockLinear)
     assert isinstance(kept.lm_head, want)
-    if head != QT.Q5_K:
+    if head != QT.F16:
         assert torch.equal(kept.lm_head.dequantize(), whole.lm_head.weight)
     tokens = torch.tensor([[1, 5, 9, 3, 7]])
     got, want = _prompt_logits(kept, tokens), _prompt_logits(whole, tokens)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_a_float_load_keeps_every_k_type_and_their_mixes_as_int8_blocks(tmp_path):
+    """K-quant files mix types within a fused projection (a Q3_K_M file's q is Q3_K, its v Q5_K, ...): q/k/v
+    of Q5_K (blocks of 32 with mins), Q6_K and Q3_K (blocks of 16, none), gate/up of Q2_K and Q5_1 are each one
+    `Int8BlockLinear` of blocks of 16, its weights the dequantized file's bit for bit; o of Q4_K alone stays
+    int4 groups. Logits and greedy tokens are the dequantized model's."""
+    from ember.loading.gguf import GGUFSource
+    from ember.loading.weights import build_model
+    from ember.models.registry import config_from_hf, get_family
+    from ember.ops import cpu_ext
+    from ember.quant.linear import Int4WeightOnlyLinear, Int8BlockLinear
+
+    if not cpu_ext.available():
+        pytest.skip("Ember's CPU kernels are not built on this machine")
+    path = tmp_path / "k.gguf"
+    types = [
+        dict(q=QT.Q5_K, k=QT.Q6_K, v=QT.Q3_K, output=QT.Q4_K, gate=QT.Q2_K, up=QT.Q5_1, down=QT.Q5_1),
+        dict(q=QT.Q3_K, k=QT.Q3_K, v=QT.Q2_K, output=QT.Q5_K, gate=QT.Q5_K, up=QT.Q6_K, down=QT.Q8_0),
+    ]
+    _write_wide_llama(path, QT.Q6_K, lambda i: types[i], seed=4)
+    reader = read_gguf(path)
+    cfg = config_from_hf(gguf_to_hf_config(reader))
+    kw = dict(device="cpu", dtype=torch.float32, origin=str(path), progress=False)
+    kept = build_model(cfg, get_family(cfg.architecture), GGUFSource(reader), keep_codes=True, **kw)
+    whole = _build(path, None)
+    float_sd = whole.state_dict()
+    for i in range(L):
+        for proj in _PROJS:
+            name = f"model.layers.{i}.{proj}"
+            module = kept.get_submodule(name)
+            four = proj == "self_attn.o_proj" and i == 0
+            assert isinstance(module, Int4WeightOnlyLinear if four else Int8BlockLinear), name
+            assert module._kernel == "cpu_f32", name
+            assert torch.equal(module.dequantize(), float_sd[f"{name}.weight"]), name
+            if proj in _FUSED:
+                assert module.block == 16, name
+    assert isinstance(kept.lm_head, Int8BlockLinear) and kept.lm_head.block == 16  # the tied Q6_K embedding
+    tokens = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
+    got, want = _prompt_logits(kept, tokens), _prompt_logits(whole, tokens)
+    # Random K blocks make weights up to ~20 (logits in the hundreds): float32 sums in another order differ by
+    # ~1e-5 of the largest logit; a wrong code, scale or min would be off by percents.
+    assert (got - want).abs().max() <= 3e-5 * want.abs().max()
+    assert torch.equal(got.argmax(-1), want.argmax(-1))

@@ -86,24 +86,34 @@ def test_int4_gemv_f32_is_the_float_linear_on_the_dequantized_weights(ops, group
     assert (rounded - want).abs().max() > 2e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("with_mins", [False, True], ids=["scales", "mins"])
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 37])
-def test_int8_gemv_f32_is_the_float_linear_on_the_blocks_weights(ops, rows, block):
-    """int8 codes (-128..127: the layout's +128 taken off) times a float32 scale a block of 16 or 32 k, float
-    activations as they are: the float64 linear on q * scale but for float32 sums."""
+def test_int8_gemv_f32_is_the_float_linear_on_the_blocks_weights(ops, rows, block, with_mins):
+    """int8 codes (-128..127: the layout's +128 taken off) times a float32 scale a block of 16 or 32 k, plus
+    with mins a float32 min, float activations as they are: the float64 linear on q * scale (+ min) but for
+    float32 sums."""
     torch.manual_seed(rows)
     N, K = 48, 512
     codes = torch.randint(-128, 128, (N, K), dtype=torch.int8)
     scales = torch.rand(N, K // block) * 0.01
+    mins = -torch.rand(N, K // block) if with_mins else None
     x = activations(rows, K)
-    want = cpu_ext.int8_f32_reference(x, codes, scales)
-    got = ops.int8_gemv_f32(x, cpu_ext.int8_tiles(codes), cpu_ext.int8_block_scales(scales), block)
+    want = cpu_ext.int8_f32_reference(x, codes, scales, mins)
+    tiles, tiled = cpu_ext.int8_tiles(codes), cpu_ext.int8_block_scales(scales)
+    tiled_mins = None if mins is None else cpu_ext.int8_block_scales(mins)
+    got = ops.int8_gemv_f32(x, tiles, tiled, block, tiled_mins)
     assert (got - want).abs().max() <= 2e-6 * want.abs().max()
+    if with_mins:  # the mins are not nothing: the same codes and scales without them are far off
+        without = cpu_ext.int8_f32_reference(x, codes, scales)
+        assert (without - want).abs().max() > 1e-2 * want.abs().max()
     # the other block size's reading of the same scales would be far off: the test tells them apart
     with pytest.raises(RuntimeError, match=r"scales .* \(float32\)"):
-        ops.int8_gemv_f32(x, cpu_ext.int8_tiles(codes), cpu_ext.int8_block_scales(scales), 48 - block)
+        ops.int8_gemv_f32(x, tiles, cpu_ext.int8_block_scales(scales), 48 - block)
     with pytest.raises(RuntimeError, match=r"scales .* \(float32\)"):
-        ops.int8_gemv_f32(x, cpu_ext.int8_tiles(codes), scales.half(), block)
+        ops.int8_gemv_f32(x, tiles, scales.half(), block)
+    with pytest.raises(RuntimeError, match=r"mins .* \(float32\)"):
+        ops.int8_gemv_f32(x, tiles, tiled, block, tiled[:, :-1].contiguous())
 
 
 def amx_builds() -> tuple:

@@ -96,8 +96,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = Fal
         metavar="SCHEME",
         help="quantize weights after loading: int8, int4 (group 128), int4-g32/g64/g256, int8-dyn (CPU), "
         "gguf (a GGUF file's own: its 4-bit tensors as int4, the rest int8), none (every weight dequantized "
-        "to --dtype). Default: none, but on a CPU a GGUF file's Q4_0/Q4_1/Q4_K and Q8_0/Q5_0/Q6_K projections stay as "
-        "they are, computed in float32 (the dequantized model's values, from a fraction of the bytes)",
+        "to --dtype). Default: none, but on a CPU a GGUF file's projections in block types (Q4_0 .. Q8_0, the K "
+        "types) stay as they are, computed in float32 (the dequantized model's values, from a fraction of the bytes)",
     )
     parser.add_argument(
         "--quant-cache",

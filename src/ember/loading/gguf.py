@@ -568,6 +568,16 @@ def _blocks(data: np.ndarray, size: int | None) -> np.ndarray | None:
     return None if size is None else data.reshape(data.shape[0], -1, size)
 
 
+def _k_scales_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's 12 bytes (..., 12) -> their eight 6-bit scales and mins (..., 8) as float32."""
+    lo, mlo, hi = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    # Sub-blocks 0-3: 6 bits in bytes 0-3 (scales) and 4-7 (mins); 4-7: 4 bits in bytes 8-11 (low nibble scale,
+    # high nibble min) and their top 2 bits in the top bits of bytes 0-3 and 4-7.
+    sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1).astype(np.float32)
+    mn = np.concatenate([mlo & 63, (hi >> 4) | ((mlo >> 6) << 4)], axis=-1).astype(np.float32)
+    return sc, mn
+
+
 def int4_blocks(
     data: np.ndarray, qtype: gguf.GGMLQuantizationType
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -578,15 +588,10 @@ def int4_blocks(
     N = data.shape[0]
     d = _f16(b[..., 0:2])
     if qtype == gguf.GGMLQuantizationType.Q4_K:
-        dmin, packed, qs = _f16(b[..., 2:4]), b[..., 4:16], b[..., 16:]
-        lo, mlo, hi = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-        # Sub-blocks 0-3: 6 bits in bytes 0-3 (scales) and 4-7 (mins); 4-7: 4 bits in bytes 8-11 (low nibble
-        # scale, high nibble min) and their top 2 bits in the top bits of bytes 0-3 and 4-7.
-        sc = np.concatenate([lo & 63, (hi & 15) | ((lo >> 6) << 4)], axis=-1).astype(np.float32)
-        mn = np.concatenate([mlo & 63, (hi >> 4) | ((mlo >> 6) << 4)], axis=-1).astype(np.float32)
+        sc, mn = _k_scales_mins(b[..., 4:16])
         scales = d[..., None] * sc  # exact: an f16 times a 6-bit integer
-        mins = -(dmin[..., None] * mn)
-        q = qs.reshape(N, -1, 4, 32)  # 64 weights per 32 bytes: low nibbles then high nibbles
+        mins = -(_f16(b[..., 2:4])[..., None] * mn)
+        q = b[..., 16:].reshape(N, -1, 4, 32)  # 64 weights per 32 bytes: low nibbles then high nibbles
         codes = np.stack([q & 15, q >> 4], axis=3)  # (N, blocks, 4, 2, 32)
     else:
         if qtype == gguf.GGMLQuantizationType.Q4_1:
@@ -597,25 +602,56 @@ def int4_blocks(
     return codes.reshape(N, -1), scales.reshape(N, -1), mins.reshape(N, -1)
 
 
-# GGUF block types whose values are int8 codes times one scale per 32 (or 16) weights along a row,
-# w = code * scale: Ember's int8 blocks (`ember.quant.linear.Int8BlockLinear`). Q8_0: f16 d, 32 int8 codes
-# (w = d q); Q5_0: f16 d, 4 bytes of the codes' fifth bits, 16 bytes of their low nibbles (w = d (q - 16));
-# Q6_K, per 256 weights: 128 bytes of the codes' low nibbles, 64 of their top two bits, sixteen int8 scales
-# of 16 weights each, f16 d (w = d sc (q - 32)).
+# GGUF block types whose values are small integer codes times one scale per 32 (or 16) weights along a row,
+# plus for some a min: w = code * scale (+ min), Ember's int8 blocks (`ember.quant.linear.Int8BlockLinear`).
+# Bytes per block (ggml's layouts): Q8_0 f16 d, 32 int8 codes (w = d q); Q5_0 f16 d, 4 bytes of the codes'
+# fifth bits, 16 bytes of their low nibbles (w = d (q - 16)); Q5_1 the same after an f16 m (w = d q + m);
+# per 256 weights: Q6_K 128 bytes of the codes' low nibbles, 64 of their top two bits, sixteen int8 scales of
+# 16 weights each, f16 d (w = d sc (q - 32)); Q5_K f16 d, f16 dmin, Q4_K's 12 bytes of eight 6-bit scales and
+# mins, 32 bytes of fifth bits, 128 of low nibbles (w = d sc q - dmin mn); Q3_K 32 bytes of third bits, 64 of
+# 2-bit codes, sixteen 6-bit scales in 12 bytes, f16 d (w = d (sc - 32) q, q in -4..3); Q2_K sixteen bytes
+# of a 4-bit scale and min, 64 of 2-bit codes, f16 d, f16 dmin (w = d sc q - dmin mn). The 4-bit types
+# (`int4_blocks`) are int8 blocks too, for a projection whose parts mix them with these.
 _INT8_BLOCK_BYTES = {
     gguf.GGMLQuantizationType.Q8_0: 34,
     gguf.GGMLQuantizationType.Q5_0: 22,
+    gguf.GGMLQuantizationType.Q5_1: 24,
     gguf.GGMLQuantizationType.Q6_K: 210,
+    gguf.GGMLQuantizationType.Q5_K: 176,
+    gguf.GGMLQuantizationType.Q3_K: 110,
+    gguf.GGMLQuantizationType.Q2_K: 84,
 }
 
 
-def int8_blocks(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[np.ndarray, np.ndarray] | None:
-    """Rows of Q8_0, Q5_0 or Q6_K blocks (N, bytes per row) -> codes int8 (N, K) and scales float32 (N, K/32;
-    Q6_K: N, K/16), with code * scale equal to ggml's dequantized weight; None for other types."""
+def _low_and_fifth_bits(qs: np.ndarray, qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1: a block's 16 bytes of low nibbles (..., 16) and 4 bytes of fifth bits -> codes (..., 32) in
+    [0, 31]: weight j < 16 the low nibble of byte j, j >= 16 the high nibble of byte j - 16; bit j of qh."""
+    high = (np.ascontiguousarray(qh).view("<u4") >> np.arange(32, dtype=np.uint32)) & 1
+    return np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int16) | (high.astype(np.int16) << 4)
+
+
+def _crumbs(qs: np.ndarray) -> np.ndarray:
+    """Q3_K / Q2_K: 64 bytes of 2-bit codes (..., 64) -> 256 codes in [0, 3]: weight 128 h + 32 s + l is bits
+    2 s of byte 32 h + l."""
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)
+    return ((qs.reshape(*qs.shape[:-1], 2, 1, 32) >> shifts) & 3).reshape(*qs.shape[:-1], 256)
+
+
+def int8_blocks(
+    data: np.ndarray, qtype: gguf.GGMLQuantizationType
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+    """Rows of the blocks of one of `_INT8_BLOCK_BYTES`' types or a 4-bit type (N, bytes per row) -> codes int8
+    (N, K), scales float32 (N, K/b) and mins float32 (N, K/b) or None (a type without them), blocks b of 32
+    (Q6_K, Q3_K and Q2_K: 16), with code * scale (+ min) equal to ggml's dequantized weight; None for other
+    types."""
+    if (four := int4_blocks(data, qtype)) is not None:
+        codes, scales, mins = four
+        return codes.astype(np.int8), scales, mins
     if (b := _blocks(data, _INT8_BLOCK_BYTES.get(qtype))) is None:
         return None
-    N = data.shape[0]
-    if qtype == gguf.GGMLQuantizationType.Q6_K:
+    N, T = data.shape[0], gguf.GGMLQuantizationType
+    mins = None
+    if qtype == T.Q6_K:
         ql, qh, sc = b[..., :128], b[..., 128:192], b[..., 192:208].view(np.int8).astype(np.float32)
         scales = _f16(b[..., 208:210])[..., None] * sc  # exact: an f16 times an int8
         # Each half of 128 weights: ql's 64 bytes, qh's 32; weight 32 j + l of the half (j < 4, l < 32) has
@@ -624,25 +660,49 @@ def int8_blocks(data: np.ndarray, qtype: gguf.GGMLQuantizationType) -> tuple[np.
         low = np.concatenate([ql & 15, ql >> 4], axis=3)  # (N, blocks, half, j, l)
         high = (qh >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 1, 4, 1)) & 3
         codes = (low.astype(np.int16) | (high.astype(np.int16) << 4)) - 32
-        return codes.astype(np.int8).reshape(N, -1), scales.reshape(N, -1)
-    scales = _f16(b[..., 0:2])
-    if qtype == gguf.GGMLQuantizationType.Q8_0:
-        codes = np.ascontiguousarray(b[..., 2:]).view(np.int8)
-    else:  # weight j < 16: low nibble of byte j, fifth bit j of qh; j >= 16: high nibble of byte j - 16, bit j
-        qh = np.ascontiguousarray(b[..., 2:6]).view("<u4")  # (N, blocks, 1)
-        qs = b[..., 6:]
-        low = np.concatenate([qs & 15, qs >> 4], axis=-1).astype(np.int16)  # (N, blocks, 32)
-        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int16) << 4
-        codes = (low | high) - 16
-    return codes.astype(np.int8).reshape(N, -1), scales.reshape(N, -1)
+    elif qtype == T.Q5_K:
+        d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
+        sc, mn = _k_scales_mins(b[..., 4:16])
+        scales, mins = d * sc, -(dmin * mn)  # exact: f16s times 6-bit integers
+        # Sub-block i (of 32): the low (i even) or high nibbles of qs bytes 32 (i // 2) + l, bit i of qh byte l.
+        q = b[..., 48:].reshape(N, -1, 4, 1, 32)
+        low = np.concatenate([q & 15, q >> 4], axis=3).reshape(N, -1, 8, 32)
+        high = (b[..., 16:48].reshape(N, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+        codes = low.astype(np.int16) | (high.astype(np.int16) << 4)
+    elif qtype == T.Q3_K:
+        # Scale j: the low (j < 8) or high nibble of byte j % 8, and bits 2 (j // 4) of byte 8 + j % 4 above them.
+        packed = b[..., 96:108]
+        low = np.concatenate([packed[..., :8] & 15, packed[..., :8] >> 4], axis=-1)
+        top = (packed[..., 8:12].reshape(N, -1, 1, 4) >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)) & 3
+        sc = (low | (top.reshape(N, -1, 16) << 4)).astype(np.float32) - 32
+        scales = _f16(b[..., 108:110])[..., None] * sc  # exact: an f16 times a 6-bit integer
+        # Weight 32 i + l (i < 8) has the third bit i of hmask byte l; a clear bit takes 4 off its code.
+        third = (b[..., :32].reshape(N, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1
+        codes = _crumbs(b[..., 32:96]).astype(np.int16) - 4 * (1 - third.reshape(N, -1, 256).astype(np.int16))
+    elif qtype == T.Q2_K:
+        d, dmin = _f16(b[..., 80:82])[..., None], _f16(b[..., 82:84])[..., None]
+        # exact: f16s times 4-bit integers
+        scales, mins = d * (b[..., :16] & 15), -(dmin * (b[..., :16] >> 4))
+        codes = _crumbs(b[..., 16:80])
+    else:
+        d = _f16(b[..., 0:2])
+        if qtype == T.Q8_0:
+            scales, codes = d, np.ascontiguousarray(b[..., 2:]).view(np.int8)
+        elif qtype == T.Q5_0:
+            scales, codes = d, _low_and_fifth_bits(b[..., 6:], b[..., 2:6]) - 16
+        else:  # Q5_1
+            scales, mins, codes = d, _f16(b[..., 2:4]), _low_and_fifth_bits(b[..., 8:], b[..., 4:8])
+    if mins is not None:
+        mins = mins.astype(np.float32).reshape(N, -1)
+    return codes.astype(np.int8).reshape(N, -1), scales.astype(np.float32).reshape(N, -1), mins
 
 
 def _convert_blocks(
     t: gguf.ReaderTensor, arch: str, fam: _Family, cfg: dict, decode=None
 ) -> tuple[str, tuple[torch.Tensor, ...]] | None:
-    """One GGUF tensor -> its HF name and the blocks `decode` takes from it (`int4_blocks` by default: (codes,
-    scales, mins); `int8_blocks`: (codes, scales)) in the HF layout; None where `decode` does not take the
-    tensor's type or it is not one HF matrix (stacked experts)."""
+    """One GGUF tensor -> its HF name and the blocks `decode` takes from it (`int4_blocks` by default, or
+    `int8_blocks`: codes, scales, mins) in the HF layout; None where `decode` does not take the tensor's type or
+    it is not one HF matrix (stacked experts)."""
     key, name, names = _hf_names(t, arch, fam, cfg)
     if len(names) != 1 or len(t.data.shape) != 2:
         return None
@@ -651,14 +711,15 @@ def _convert_blocks(
         return None
     if fam.permute_qk and key in ("blk.{i}.attn_q.weight", "blk.{i}.attn_k.weight"):
         heads = cfg["num_attention_heads" if key.endswith("q.weight") else "num_key_value_heads"]
-        blocks = tuple(_unpermute_rows(a, heads) for a in blocks)  # rows move whole, with their groups
+        # rows move whole, with their groups
+        blocks = tuple(a if a is None else _unpermute_rows(a, heads) for a in blocks)
     dims = _dims(cfg)
     expected = tuple(dims[s] for s in fam.tensors[key][1])
     if blocks[0].shape != expected:
         raise CheckpointError(
             f"GGUF tensor {t.name!r} ({name!r}) has shape {blocks[0].shape} but the config implies {expected}"
         )
-    return name, tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in blocks)
+    return name, tuple(a if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in blocks)
 
 
 def load_gguf_state_dict(
@@ -706,9 +767,10 @@ class GGUFSource:
         converted = _convert_blocks(self._owner[name], self._arch, self._fam, self._cfg)
         return converted[1] if converted is not None else None
 
-    def get_int8(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The file's own codes of `name` as int8 blocks of 32 (codes int8 (N, K), scales float32 (N, K/32)),
-        without dequantizing; None unless the tensor is Q8_0 or Q5_0."""
+    def get_int8(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """The file's own codes of `name` as int8 blocks (codes int8 (N, K), scales float32 (N, K/b), mins
+        float32 (N, K/b) or None; `int8_blocks`), without dequantizing; None unless the tensor is one of
+        their types."""
         converted = _convert_blocks(self._owner[name], self._arch, self._fam, self._cfg, int8_blocks)
         return converted[1] if converted is not None else None
 

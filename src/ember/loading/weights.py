@@ -112,10 +112,11 @@ def build_model(
     """Materialises a Decoder for `cfg` from `source`; `origin` names the checkpoint in error messages.
 
     keep_codes (without `quantize`): the projections, and the output projection, that the source holds in
-    blocks of 32 Ember's kernels take as they are stay those codes, computed with float activations: int4
-    groups (GGUF's Q4_0 / Q4_1 / Q4_K: `Int4WeightOnlyLinear.float_activations`) and int8 blocks (Q8_0 / Q5_0 / Q6_K:
-    `Int8BlockLinear`). The float model's values, without its float weights; the rest is read as float, as
-    without it (the embedding too, for its lookups)."""
+    blocks Ember's kernels take as they are stay those codes, computed with float activations: int4 groups
+    where every part is 4-bit (GGUF's Q4_0 / Q4_1 / Q4_K: `Int4WeightOnlyLinear.float_activations`), else int8
+    blocks (those and Q8_0, Q6_K, Q5_0/1, Q5_K, Q3_K, Q2_K: `Int8BlockLinear`). The float model's values,
+    without its float weights; the rest is read as float, as without it (the embedding too, for its
+    lookups)."""
     from ember.quant import GGUF_GROUP, QuantSpec, check_fits, quantized_projections
     from ember.quant.linear import Int4WeightOnlyLinear, Int8BlockLinear, QuantLinear
 
@@ -211,7 +212,7 @@ def build_model(
 
     def kept_codes(name: str, bias: torch.Tensor | None) -> QuantLinear | None:
         """keep_codes: weight `name` as the source's own codes where it holds them in int4 groups or int8 blocks
-        of 32 and their float-activation kernel runs here (else None: it is read as float)."""
+        and their float-activation kernel runs here (else None: it is read as float)."""
         if (int4 := read_int4(name)) is not None:
             module = Int4WeightOnlyLinear.from_codes(*int4, bias, dtype)
             module.float_activations = True
@@ -220,13 +221,12 @@ def build_model(
             parts = [] if stack or get_int8 is None else [get_int8(renamed[p]) for p in groups[0]]
             if not parts or any(part is None for part in parts):
                 return None
-            codes, scales = (torch.cat(t).to(device) for t in zip(*parts, strict=True))
-            if codes.shape != expected[name].shape:
+            module = Int8BlockLinear.joined(parts, bias, dtype).to(device)
+            if module.qweight.shape != expected[name].shape:
                 raise CheckpointError(
-                    f"{origin}: weight {name} has shape {tuple(codes.shape)}, "
+                    f"{origin}: weight {name} has shape {tuple(module.qweight.shape)}, "
                     f"expected {tuple(expected[name].shape)} from the config"
                 )
-            module = Int8BlockLinear.from_codes(codes, scales, bias, dtype)
         module.prepare()
         return module if module._kernel == "cpu_f32" else None
 

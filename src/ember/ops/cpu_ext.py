@@ -233,7 +233,7 @@ def _int8_fake(x, packed, scales):
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)
 
 
-def _int8_blocks_fake(x, packed, scales, block):
+def _int8_blocks_fake(x, packed, scales, block, mins=None):
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)
 
 
@@ -269,19 +269,24 @@ def int8_tiles(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def int8_block_scales(scales: torch.Tensor) -> torch.Tensor:
-    """(N, K/b) scales of int8 blocks of b k -> `int8_gemv_f32`'s (N/16, K/b, 16) float32: a tile's 16 rows'
-    scales of each block together."""
+    """(N, K/b) scales (or mins) of int8 blocks of b k -> `int8_gemv_f32`'s (N/16, K/b, 16) float32: a tile's 16
+    rows' factors of each block together."""
     N, B = scales.shape
     return scales.float().reshape(N // TILE, TILE, B).transpose(1, 2).contiguous()
 
 
-def int8_f32_reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`int8_gemv_f32` in plain torch: the float linear on the weights q * scale (a scale a block of K / (N, K/b)
-    scales' b k), summed in float64 (the kernel's float32 sums differ from it by their rounding alone)."""
+def int8_f32_reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`int8_gemv_f32` in plain torch: the float linear on the weights q * scale (+ min) (a factor a block of K /
+    (N, K/b) factors' b k), summed in float64 (the kernel's float32 sums differ from it by their rounding
+    alone)."""
     N, K = qweight.shape
     b = K // scales.shape[1]
-    w = (qweight.double().reshape(N, K // b, b) * scales.double()[..., None]).reshape(N, K)
-    return F.linear(x.double(), w).float()
+    w = qweight.double().reshape(N, K // b, b) * scales.double()[..., None]
+    if mins is not None:
+        w = w + mins.double()[..., None]
+    return F.linear(x.double(), w.reshape(N, K)).float()
 
 
 def quantize_blocks(x: torch.Tensor) -> torch.Tensor:

@@ -611,11 +611,11 @@ class Int4WeightOnlyLinear(QuantLinear):
 
 
 class Int8BlockLinear(QuantLinear):
-    """int8 codes with a float32 scale a block of 16 or 32 along K, w = code * scale: a GGUF file's Q8_0, Q5_0
-    and Q6_K tensors as they are, kept by a float load (`ember.loading.weights.build_model(keep_codes=True)`)
-    and computed with float activations, so the module gives the dequantized weights' float linear. Not a
-    `--quantize` scheme (nothing saves it); a scheme asked of a model that holds one quantizes the weights it
-    stands for (`dequantize`).
+    """int8 codes with a float32 scale a block of 16 or 32 along K, and for some a float32 min, w = code * scale
+    (+ min): a GGUF file's block types (Q8_0, Q6_K, Q5_K, Q3_K, ...: `ember.loading.gguf.int8_blocks`) as they
+    are, kept by a float load (`ember.loading.weights.build_model(keep_codes=True)`) and computed with float
+    activations, so the module gives the dequantized weights' float linear. Not a `--quantize` scheme (nothing
+    saves it); a scheme asked of a model that holds one quantizes the weights it stands for (`dequantize`).
 
     Kernels: "cpu_f32", float32 on CPUs where Ember's CPU kernels run (`cpu_ext.int8_gemv_f32`, the codes in
     `cpu_ext.int8_tiles`' layout); "float" elsewhere (the weights dequantized for each call)."""
@@ -624,7 +624,13 @@ class Int8BlockLinear(QuantLinear):
     BLOCKS = (16, 32)
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, block: int = 32
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        block: int = 32,
+        mins: bool = False,
     ) -> None:
         super().__init__(in_features, out_features, bias, dtype)
         if block not in self.BLOCKS or in_features % 32:
@@ -635,30 +641,68 @@ class Int8BlockLinear(QuantLinear):
         self.block = block
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(out_features, in_features // block))
+        self.register_buffer("mins", torch.zeros(out_features, in_features // block) if mins else None)
         self.float_activations = True
 
     @classmethod
     def from_codes(
-        cls, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+        cls,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        mins: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
     ) -> Int8BlockLinear:
-        """Codes int8 (N, K) with their (N, K/b) scales (blocks b of 16 or 32), taken as they are; on codes'
-        device."""
+        """Codes int8 (N, K) with their (N, K/b) scales and mins (or None) (blocks b of 16 or 32), taken as
+        they are; on codes' device."""
         (N, K), B = codes.shape, scales.shape[-1]
         block = K // B if B and K % B == 0 else 0
-        if codes.dtype != torch.int8 or scales.shape != (N, B) or block not in cls.BLOCKS:
+        if (
+            codes.dtype != torch.int8
+            or scales.shape != (N, B)
+            or block not in cls.BLOCKS
+            or (mins is not None and mins.shape != scales.shape)
+        ):
             raise ValueError(
-                f"int8 blocks: codes {tuple(codes.shape)} {codes.dtype} with scales {tuple(scales.shape)}; "
-                "expected int8 (N, K) codes and (N, K/16) or (N, K/32) scales"
+                f"int8 blocks: codes {tuple(codes.shape)} {codes.dtype} with scales {tuple(scales.shape)} and "
+                f"mins {None if mins is None else tuple(mins.shape)}; expected int8 (N, K) codes and (N, K/16) "
+                "or (N, K/32) scales (and mins)"
             )
-        m = cls(K, N, bias is not None, dtype, block).to(codes.device)
+        m = cls(K, N, bias is not None, dtype, block, mins is not None).to(codes.device)
         m.qweight, m.scales = codes, scales.float()
+        if mins is not None:
+            m.mins = mins.float()
         if bias is not None:
             m.bias.copy_(bias)
         return m
 
+    @classmethod
+    def joined(
+        cls,
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+    ) -> Int8BlockLinear:
+        """A fused projection (q/k/v, gate/up) from its parts' (codes, scales, mins) (`from_codes`' operands),
+        rows one after another. Parts of blocks of 32 join ones of 16 as blocks of 16 (each factor twice), and
+        parts without mins take mins of zero beside ones with them: the same weights."""
+        block = min(p[0].shape[1] // p[1].shape[1] for p in parts)
+        with_mins = any(p[2] is not None for p in parts)
+        codes, scales, mins = [], [], []
+        for c, s, m in parts:
+            repeat = c.shape[1] // s.shape[1] // block
+            codes.append(c)
+            scales.append(s.repeat_interleave(repeat, dim=1))
+            if with_mins:
+                mins.append(torch.zeros_like(scales[-1]) if m is None else m.repeat_interleave(repeat, dim=1))
+        return cls.from_codes(
+            torch.cat(codes), torch.cat(scales), torch.cat(mins) if with_mins else None, bias, dtype
+        )
+
     def dequantize(self) -> torch.Tensor:
         N, K = self.qweight.shape
-        return (self.qweight.float().reshape(N, -1, self.block) * self.scales[..., None]).reshape(N, K)
+        w = self.qweight.float().reshape(N, -1, self.block) * self.scales[..., None]
+        return (w if self.mins is None else w + self.mins[..., None]).reshape(N, K)
 
     def prepare(self) -> None:
         cpu = self.qweight.device.type == "cpu" and self.dtype == torch.float32
@@ -666,17 +710,26 @@ class Int8BlockLinear(QuantLinear):
             self._kernel = "cpu_f32"
             self.register_buffer("_tiles", cpu_ext.int8_tiles(self.qweight), persistent=False)
             self.register_buffer("_scales_f32", cpu_ext.int8_block_scales(self.scales), persistent=False)
+            mins = None if self.mins is None else cpu_ext.int8_block_scales(self.mins)
+            self.register_buffer("_mins_f32", mins, persistent=False)
         else:
             self._kernel = "float"
 
     def _runtime_buffers(self) -> tuple[str, ...]:
-        return ("_tiles", "_scales_f32") if self._kernel == "cpu_f32" else ("qweight", "scales")
+        names = (
+            ("_tiles", "_scales_f32", "_mins_f32")
+            if self._kernel == "cpu_f32"
+            else ("qweight", "scales", "mins")
+        )
+        return tuple(n for n in names if getattr(self, n) is not None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self._kernel == "cpu_f32":
-            y = torch.ops.ember_cpu.int8_gemv_f32(float32_rows(x2), self._tiles, self._scales_f32, self.block)
+            y = torch.ops.ember_cpu.int8_gemv_f32(
+                float32_rows(x2), self._tiles, self._scales_f32, self.block, self._mins_f32
+            )
             y = y if y.dtype == x.dtype else y.to(x.dtype)
         else:
             y = F.linear(x2, self.dequantize().to(x.dtype))

@@ -40,6 +40,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -661,11 +662,13 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 }
 
 // R float activation rows (x + r * K) against one int8 tile (int8_tiles' layout, codes plus 128) with a float32
-// scale for each block of `block` k, 16 or 32 (scales: (K/block, 16)): out[r * N + l] = sum_b scale_b * sum_k q
-// x, in float32.
+// scale for each block of `block` k, 16 or 32 (scales: (K/block, 16)), and with `mins` (the same layout; or
+// null) a float32 min: out[r * N + l] = sum_b scale_b * sum_k q x + min_b * xs_b, in float32, xs_b (at
+// xs + r * K/block) the row's sum of x over block b.
 template <int R>
-void int8_tile_f32(const uint8_t* w, const float* scales, const float* x, int64_t K, int64_t block, float* out,
-                   int64_t N) {
+void int8_tile_f32(const uint8_t* w, const float* scales, const float* mins, const float* x, const float* xs,
+                   int64_t K, int64_t block, float* out, int64_t N) {
+  const int64_t B = K / block;
   constexpr int C = R >= 4 ? 1 : 4 / R;
   F16x acc[R];
   for (int r = 0; r < R; ++r) acc[r] = fzero();
@@ -682,11 +685,16 @@ void int8_tile_f32(const uint8_t* w, const float* scales, const float* x, int64_
             part[r][j % C] = fma(q, fset(x[r * K + b * kBlock + 4 * i + j]), part[r][j % C]);
         }
       }
-      const F16x scale = load_float(scales + (block == 16 ? 2 * b + h : b) * kTile);
+      const int64_t at = block == 16 ? 2 * b + h : b;
+      const F16x scale = load_float(scales + at * kTile);
       for (int r = 0; r < R; ++r) {
         F16x sum = part[r][0];
         for (int c = 1; c < C; ++c) sum = fadd(sum, part[r][c]);
         acc[r] = fma(sum, scale, acc[r]);
+      }
+      if (mins != nullptr && (block == 16 || h == 1)) {  // once a block
+        const F16x mn = load_float(mins + at * kTile);
+        for (int r = 0; r < R; ++r) acc[r] = fma(mn, fset(xs[r * B + at]), acc[r]);
       }
     }
   }
@@ -726,22 +734,35 @@ at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
   return out;
 }
 
-// y = x @ w.T in float32 with int8 weights as they are, a float32 scale a block of 16 or 32 k: w = q * scale
-// (scales (N/16, K/block, 16)); a GGUF file's Q8_0 / Q5_0 / Q6_K weights without a float copy of them.
-at::Tensor int8_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t block) {
+// y = x @ w.T in float32 with int8 weights as they are, a float32 scale a block of 16 or 32 k and, given mins,
+// a float32 min: w = q * scale (+ min) (scales and mins (N/16, K/block, 16)); a GGUF file's block types (Q8_0,
+// Q6_K, Q5_K, ...) without a float copy of their weights.
+at::Tensor int8_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t block,
+                         const std::optional<at::Tensor>& mins) {
   check_operands(x, packed, 512);
-  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile, B = K / block;
   TORCH_CHECK(block == 16 || block == 32, "block ", block, " is not 16 or 32");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N * (K / block),
-              "scales ", scales.sizes(), " do not match ", tiles, " tiles of ", K / block, " blocks (float32)");
+  for (const at::Tensor* f : {&scales, mins ? &*mins : nullptr}) {
+    if (f != nullptr)
+      TORCH_CHECK(f->scalar_type() == at::kFloat && f->is_contiguous() && f->numel() == N * B,
+                  f == &scales ? "scales " : "mins ", f->sizes(), " do not match ", tiles, " tiles of ", B,
+                  " blocks (float32)");
+  }
   auto out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
+  std::vector<float> xs(mins ? M * B : 0);  // each row's sum of x over each block: the min term's factor
+  for (int64_t i = 0; i < static_cast<int64_t>(xs.size()); ++i) {
+    float s = 0.f;
+    for (int64_t k = i * block; k < (i + 1) * block; ++k) s += xp[k];  // row i / B, block i % B: k from i * block
+    xs[i] = s;
+  }
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
+  const float* mp = mins ? mins->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   over_tiles(tiles, M, [&](auto R, int64_t t, int64_t m) {
-    int8_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 512, sp + t * (K / block) * kTile, xp + m * K, K,
-                                      block, op + m * N + t * kTile, N);
+    int8_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 512, sp + t * B * kTile, mp ? mp + t * B * kTile : nullptr,
+                                      xp + m * K, mp ? xs.data() + m * B : nullptr, K, block, op + m * N + t * kTile, N);
   });
   return out;
 }
@@ -952,7 +973,7 @@ bool amx_bf16() {
 EMBER_LIBRARY_FRAGMENT(EMBER_CPU_NAMESPACE, m) {
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
   m.def("int4_gemv_f32(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
-  m.def("int8_gemv_f32(Tensor x, Tensor packed, Tensor scales, int block) -> Tensor");
+  m.def("int8_gemv_f32(Tensor x, Tensor packed, Tensor scales, int block, Tensor? mins=None) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("simd() -> str");
   m.def("int4_gemm_bf16(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
