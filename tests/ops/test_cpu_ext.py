@@ -116,6 +116,34 @@ def test_int8_gemv_f32_is_the_float_linear_on_the_blocks_weights(ops, rows, bloc
         ops.int8_gemv_f32(x, tiles, tiled, block, tiled[:, :-1].contiguous())
 
 
+@pytest.mark.parametrize("with_mins", [False, True], ids=["scales", "mins"])
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 9])
+def test_int5_gemv_f32_is_the_float_linear_on_the_5bit_weights(ops, rows, block, with_mins):
+    """5-bit codes (0..31) as low nibbles and a plane of fifth bits, a float32 scale (and min) a block of 16 or
+    32 k: the float64 linear on q * scale (+ min) but for float32 sums; each code's fifth bit counts (the same
+    codes with it cleared are far off)."""
+    torch.manual_seed(rows + block)
+    N, K = 48, 512
+    codes = torch.randint(0, 32, (N, K), dtype=torch.int8)
+    scales = torch.rand(N, K // block) * 0.01
+    mins = -torch.rand(N, K // block) if with_mins else None
+    x = activations(rows, K)
+    want = cpu_ext.int8_f32_reference(x, codes, scales, mins)
+    packed, high = cpu_ext.int5_tiles(codes)
+    assert packed.shape == (N // 16, K // 32 * 256) and high.shape == (N // 16, K // 32 * 64)
+    tiled, tiled_mins = (
+        cpu_ext.int8_block_scales(scales),
+        None if mins is None else cpu_ext.int8_block_scales(mins),
+    )
+    got = ops.int5_gemv_f32(x, packed, high, tiled, block, tiled_mins)
+    assert (got - want).abs().max() <= 2e-6 * want.abs().max()
+    nibbles = cpu_ext.int8_f32_reference(x, codes & 15, scales, mins)
+    assert (nibbles - want).abs().max() > 1e-2 * want.abs().max()
+    with pytest.raises(RuntimeError, match=r"high bits .* do not match"):
+        ops.int5_gemv_f32(x, packed, high[:, :-64].contiguous(), tiled, block, tiled_mins)
+
+
 def amx_builds() -> tuple:
     """The native build and one without AMX, for CPUs whose kernels run on the tile unit (else a skip)."""
     if not cpu_ext.available() or not cpu_ext.amx_bf16():

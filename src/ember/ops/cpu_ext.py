@@ -166,6 +166,7 @@ def load(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> str:
                 ("int4_silu_gate_up_bf16", _int4_glu_fake),
                 ("int8_gemv", _int8_fake),
                 ("int8_gemv_f32", _int8_blocks_fake),
+                ("int5_gemv_f32", _int5_fake),
                 ("decode_attention", _attention_fake),
                 ("paged_decode_attention", _attention_fake),
                 ("rope_decode_attention", _rope_attention_fake),
@@ -237,6 +238,10 @@ def _int8_blocks_fake(x, packed, scales, block, mins=None):
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)
 
 
+def _int5_fake(x, packed, high, scales, block, mins=None):
+    return x.new_empty(x.shape[0], packed.shape[0] * TILE)
+
+
 def _attention_fake(q, *args):
     return torch.empty_like(q)
 
@@ -249,13 +254,33 @@ def int4_tiles(
     for `int4_gemv_f32`)."""
     N, G = scales.shape
     K = qweight.shape[1] * 2
-    codes = torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(N, K)
+    packed = nibble_tiles(torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(N, K))
+    sm = torch.stack([t.reshape(N // TILE, TILE, G).transpose(1, 2) for t in (scales, mins)], dim=2)
+    return packed, sm.to(factors).contiguous()
+
+
+def nibble_tiles(codes: torch.Tensor) -> torch.Tensor:
+    """Codes (N, K) in 0..15 (their low nibbles taken) -> the int4 kernels' packed nibbles (N/16, K/32 * 256)
+    uint8."""
+    N, K = codes.shape
     # (tile, row, block, half, run, byte) -> (tile, block, run, row, byte, half): a run's 64 bytes are 16 rows
     # of 4 k, the first half of the block in the low nibbles and the second in the high ones.
-    c = codes.reshape(N // TILE, TILE, K // BLOCK, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
-    packed = (c[..., 0] | (c[..., 1] << 4)).reshape(N // TILE, K // BLOCK * 256)
-    sm = torch.stack([t.reshape(N // TILE, TILE, G).transpose(1, 2) for t in (scales, mins)], dim=2)
-    return packed.contiguous(), sm.to(factors).contiguous()
+    c = (codes & 0xF).to(torch.uint8).reshape(N // TILE, TILE, K // BLOCK, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+    return (c[..., 0] | (c[..., 1] << 4)).reshape(N // TILE, K // BLOCK * 256).contiguous()
+
+
+def int5_tiles(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """5-bit codes (N, K) in 0..31 -> `int5_gemv_f32`'s low nibbles (`nibble_tiles`) and fifth bits (N/16,
+    K/32 * 64) uint8: a block's 16 rows' 32 bits each as a little-endian int32, bit 8 j + i for k = 4 i + j
+    and 8 j + 4 + i for k = 16 + 4 i + j (i, j < 4)."""
+    N, K = codes.shape
+    fifth = (
+        ((codes >> 4) & 1).to(torch.int64).reshape(N // TILE, TILE, K // BLOCK, 2, 4, 4)
+    )  # (.., half, i, j)
+    half, i, j = torch.meshgrid(torch.arange(2), torch.arange(4), torch.arange(4), indexing="ij")
+    words = (fifth << (8 * j + 4 * half + i)).sum(dim=(-3, -2, -1))  # (tile, row, block)
+    b = torch.stack([(words >> (8 * n)) & 0xFF for n in range(4)], dim=-1).to(torch.uint8)  # little-endian
+    return nibble_tiles(codes), b.transpose(1, 2).reshape(N // TILE, K // BLOCK * 64).contiguous()
 
 
 def int8_tiles(qweight: torch.Tensor) -> torch.Tensor:

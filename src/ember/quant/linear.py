@@ -617,8 +617,9 @@ class Int8BlockLinear(QuantLinear):
     activations, so the module gives the dequantized weights' float linear. Not a `--quantize` scheme (nothing
     saves it); a scheme asked of a model that holds one quantizes the weights it stands for (`dequantize`).
 
-    Kernels: "cpu_f32", float32 on CPUs where Ember's CPU kernels run (`cpu_ext.int8_gemv_f32`, the codes in
-    `cpu_ext.int8_tiles`' layout); "float" elsewhere (the weights dequantized for each call)."""
+    Kernels: "cpu_f32", float32 on CPUs where Ember's CPU kernels run: codes that fit 5 bits (`five_bits`:
+    Q5_0/1, Q5_K, Q3_K, Q2_K, 4-bit) in 5 bits a weight (`cpu_ext.int5_gemv_f32`), others in 8
+    (`cpu_ext.int8_gemv_f32`); "float" elsewhere (the weights dequantized for each call)."""
 
     scheme = "int8-blocks"
     BLOCKS = (16, 32)
@@ -704,20 +705,42 @@ class Int8BlockLinear(QuantLinear):
         w = self.qweight.float().reshape(N, -1, self.block) * self.scales[..., None]
         return (w if self.mins is None else w + self.mins[..., None]).reshape(N, K)
 
+    def five_bits(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The codes as 5-bit ones (0..31) and the mins that keep the weights, or None where some row's codes
+        span more than 32 values (Q8_0, Q6_K). A row with codes below 0 (Q5_0, Q3_K: within -16..15) is taken
+        up by 16 and its min down by 16 of its scales (exact for those types, which have no min)."""
+        low, high = self.qweight.amin(dim=1), self.qweight.amax(dim=1)
+        up = torch.where(low < 0, 16, 0).to(torch.int16)
+        if bool((low + up < 0).any()) or bool((high + up > 31).any()):
+            return None
+        codes = (self.qweight.to(torch.int16) + up[:, None]).to(torch.uint8)
+        if not bool(up.any()):
+            return codes, self.mins
+        mins = torch.zeros_like(self.scales) if self.mins is None else self.mins
+        return codes, mins - up[:, None].float() * self.scales
+
     def prepare(self) -> None:
         cpu = self.qweight.device.type == "cpu" and self.dtype == torch.float32
         if cpu and cpu_ext.fits(self.out_features, self.in_features) and cpu_ext.available():
             self._kernel = "cpu_f32"
-            self.register_buffer("_tiles", cpu_ext.int8_tiles(self.qweight), persistent=False)
+            mins = self.mins
+            if (five := self.five_bits()) is not None:  # 5 bits a weight where the codes fit, else 8
+                codes, mins = five
+                tiles, high = cpu_ext.int5_tiles(codes)
+            else:
+                tiles, high = cpu_ext.int8_tiles(self.qweight), None
+            self.register_buffer("_tiles", tiles, persistent=False)
+            self.register_buffer("_high", high, persistent=False)
             self.register_buffer("_scales_f32", cpu_ext.int8_block_scales(self.scales), persistent=False)
-            mins = None if self.mins is None else cpu_ext.int8_block_scales(self.mins)
-            self.register_buffer("_mins_f32", mins, persistent=False)
+            self.register_buffer(
+                "_mins_f32", None if mins is None else cpu_ext.int8_block_scales(mins), persistent=False
+            )
         else:
             self._kernel = "float"
 
     def _runtime_buffers(self) -> tuple[str, ...]:
         names = (
-            ("_tiles", "_scales_f32", "_mins_f32")
+            ("_tiles", "_high", "_scales_f32", "_mins_f32")
             if self._kernel == "cpu_f32"
             else ("qweight", "scales", "mins")
         )
@@ -726,7 +749,12 @@ class Int8BlockLinear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self._kernel == "cpu_f32":
+        if self._kernel == "cpu_f32" and self._high is not None:
+            y = torch.ops.ember_cpu.int5_gemv_f32(
+                float32_rows(x2), self._tiles, self._high, self._scales_f32, self.block, self._mins_f32
+            )
+            y = y if y.dtype == x.dtype else y.to(x.dtype)
+        elif self._kernel == "cpu_f32":
             y = torch.ops.ember_cpu.int8_gemv_f32(
                 float32_rows(x2), self._tiles, self._scales_f32, self.block, self._mins_f32
             )

@@ -122,6 +122,25 @@ inline F16x nibble_float(__m512i v, int shift) {
   const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   return {_mm512_permutexvar_ps(_mm512_srli_epi32(v, shift), values)};
 }
+// Run i of a block of 5-bit codes (int5_tile_f32's layout: the nibbles v, the fifth bits h) as two words a lane
+// whose byte j holds the code of k = 4i + j (lo) or 16 + 4i + j (hi) in its low 5 bits: the fifth bits (bit
+// 8j + i, 8j + 4 + i of h) moved to bit 8j + 4 by one shift and put in place by one bitwise select.
+struct QuintRun {
+  __m512i lo, hi;
+};
+inline QuintRun quint_run(__m512i v, __m512i h, int i) {
+  const __m512i at4 = _mm512_set1_epi32(0x10101010);
+  // 0xD8: c ? b : a, bit by bit (a the nibbles, b the fifth bits, c bit 4 of each byte)
+  return {_mm512_ternarylogic_epi32(v, _mm512_slli_epi32(h, 4 - i), at4, 0xD8),
+          _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 4), _mm512_srli_epi32(h, i), at4, 0xD8)};
+}
+// Code j (of 4) of the run's lo (half 0) or hi (half 1) codes as a float: vpermt2ps looks the shifted lane up
+// in 0..31 by its low 5 bits alone.
+inline F16x quint_float(const QuintRun& q, int j, int half) {
+  const __m512 low = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 high = _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
+  return {_mm512_permutex2var_ps(low, _mm512_srli_epi32(half ? q.hi : q.lo, 8 * j), high)};
+}
 inline I16 iadd(I16 a, I16 b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline I16 isub_scalar(I16 a, int32_t s) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(s))}; }
 inline F16x fzero() { return {_mm512_setzero_ps()}; }
@@ -187,6 +206,21 @@ inline F16x nibble_float(W64 v, int shift) {
   const __m256i m = _mm256_set1_epi32(0xF);
   return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v.lo, shift), m)),
           _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(v.hi, shift), m))};
+}
+struct QuintRun {
+  W64 v, h;
+  int i;
+};
+inline QuintRun quint_run(W64 v, W64 h, int i) { return {v, h, i}; }
+inline __m256i quint_256(__m256i v, __m256i h, int shift, int hbit) {
+  const __m256i nibble = _mm256_and_si256(_mm256_srli_epi32(v, shift), _mm256_set1_epi32(0xF));
+  const __m256i fifth = _mm256_and_si256(_mm256_srli_epi32(h, hbit), _mm256_set1_epi32(1));
+  return _mm256_or_si256(nibble, _mm256_slli_epi32(fifth, 4));
+}
+inline F16x quint_float(const QuintRun& q, int j, int half) {
+  const int shift = 8 * j + 4 * half, hbit = shift + q.i;
+  return {_mm256_cvtepi32_ps(quint_256(q.v.lo, q.h.lo, shift, hbit)),
+          _mm256_cvtepi32_ps(quint_256(q.v.hi, q.h.hi, shift, hbit))};
 }
 inline I16 iadd(I16 a, I16 b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 inline I16 isub_scalar(I16 a, int32_t s) {
@@ -273,6 +307,22 @@ inline F16x nibble_float(const W64& w, int shift) {
     uint32_t lane;
     std::memcpy(&lane, w.b + 4 * l, 4);
     f.v[l] = static_cast<float>((lane >> shift) & 0xF);
+  }
+  return f;
+}
+struct QuintRun {
+  W64 v, h;
+  int i;
+};
+inline QuintRun quint_run(const W64& v, const W64& h, int i) { return {v, h, i}; }
+inline F16x quint_float(const QuintRun& q, int j, int half) {
+  const int shift = 8 * j + 4 * half, hbit = shift + q.i;
+  F16x f;
+  for (int l = 0; l < kTile; ++l) {
+    uint32_t lane, high;
+    std::memcpy(&lane, q.v.b + 4 * l, 4);
+    std::memcpy(&high, q.h.b + 4 * l, 4);
+    f.v[l] = static_cast<float>(((lane >> shift) & 0xF) | (((high >> hbit) & 1) << 4));
   }
   return f;
 }
@@ -734,28 +784,116 @@ at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
   return out;
 }
 
+// R float activation rows against one tile of 5-bit codes (0..31): their low nibbles in int4_tiles' layout (256
+// bytes a block of 32 k; run i byte j of a row: k = 4i + j low, 16 + 4i + j high) and their fifth bits (`high`,
+// 64 bytes a block: each row's 32 as one int32, k = 4i + j at bit 8j + i and 16 + 4i + j at bit 8j + 4 + i, so
+// that one shift a run puts them beside their nibbles: quint_run), a float32 scale and (or null) min a block of
+// 16 or 32 k as int8_tile_f32 takes them.
+template <int R>
+void int5_tile_f32(const uint8_t* w, const uint8_t* high, const float* scales, const float* mins, const float* x,
+                   const float* xs, int64_t K, int64_t block, float* out, int64_t N) {
+  constexpr int C = R >= 2 ? 1 : 2;
+  const int64_t B = K / block;
+  F16x acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = fzero();
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    F16x part[R][2][C];  // k 0..15 (the low nibbles) and 16..31 (the high ones) apart, for blocks of 16
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h)
+        for (int c = 0; c < C; ++c) part[r][h][c] = fzero();
+    const auto hv = load64(high + b * 64);
+    for (int i = 0; i < 4; ++i) {
+      const QuintRun q = quint_run(load64(w + b * 256 + 64 * i), hv, i);
+      for (int j = 0; j < 4; ++j) {  // k = 4i + j and 16 + 4i + j
+        const F16x ql = quint_float(q, j, 0), qh = quint_float(q, j, 1);
+        for (int r = 0; r < R; ++r) {
+          const float* xb = x + r * K + b * kBlock + 4 * i + j;
+          part[r][0][j % C] = fma(ql, fset(xb[0]), part[r][0][j % C]);
+          part[r][1][j % C] = fma(qh, fset(xb[16]), part[r][1][j % C]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      F16x sum[2];
+      for (int h = 0; h < 2; ++h) {
+        sum[h] = part[r][h][0];
+        for (int c = 1; c < C; ++c) sum[h] = fadd(sum[h], part[r][h][c]);
+      }
+      if (block == 16) {
+        for (int h = 0; h < 2; ++h) {
+          acc[r] = fma(sum[h], load_float(scales + (2 * b + h) * kTile), acc[r]);
+          if (mins != nullptr) acc[r] = fma(load_float(mins + (2 * b + h) * kTile), fset(xs[r * B + 2 * b + h]), acc[r]);
+        }
+      } else {
+        acc[r] = fma(fadd(sum[0], sum[1]), load_float(scales + b * kTile), acc[r]);
+        if (mins != nullptr) acc[r] = fma(load_float(mins + b * kTile), fset(xs[r * B + b]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store(out + r * N, acc[r]);
+}
+
+// Each row's sum of x over each block of `block` k (M * K / block floats): the min term's factor.
+std::vector<float> block_sums(const float* x, int64_t M, int64_t K, int64_t block) {
+  std::vector<float> xs(M * K / block);
+  for (int64_t i = 0; i < static_cast<int64_t>(xs.size()); ++i) {
+    float s = 0.f;
+    for (int64_t k = i * block; k < (i + 1) * block; ++k) s += x[k];  // row i / B, block i % B: k from i * block
+    xs[i] = s;
+  }
+  return xs;
+}
+
+// int8_gemv_f32's factors (scales, and mins or none): float32 (N/16, K/block, 16) for `tiles` tiles.
+void check_block_factors(const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t tiles, int64_t K,
+                         int64_t block) {
+  TORCH_CHECK(block == 16 || block == 32, "block ", block, " is not 16 or 32");
+  for (const at::Tensor* f : {&scales, mins ? &*mins : nullptr}) {
+    if (f != nullptr)
+      TORCH_CHECK(f->scalar_type() == at::kFloat && f->is_contiguous() && f->numel() == tiles * kTile * (K / block),
+                  f == &scales ? "scales " : "mins ", f->sizes(), " do not match ", tiles, " tiles of ", K / block,
+                  " blocks (float32)");
+  }
+}
+
+// y = x @ w.T in float32 with 5-bit codes as they are (int5_tile_f32's layout), w = q * scale (+ min); a GGUF
+// file's Q5_0 / Q5_1 / Q5_K (and Q3_K / Q2_K / 4-bit, beside them in one projection) in 5 bits a weight.
+at::Tensor int5_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& high, const at::Tensor& scales,
+                         int64_t block, const std::optional<at::Tensor>& mins) {
+  check_operands(x, packed, 256);
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
+  TORCH_CHECK(high.scalar_type() == at::kByte && high.is_contiguous() && high.numel() == tiles * (K / kBlock) * 64,
+              "high bits ", high.sizes(), " do not match ", tiles, " tiles of K = ", K);
+  check_block_factors(scales, mins, tiles, K, block);
+  const int64_t B = K / block;
+  auto out = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const std::vector<float> xs = mins ? block_sums(xp, M, K, block) : std::vector<float>();
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const uint8_t* hp = high.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* mp = mins ? mins->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  over_tiles(tiles, M, [&](auto R, int64_t t, int64_t m) {
+    int5_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 256, hp + t * (K / kBlock) * 64, sp + t * B * kTile,
+                                      mp ? mp + t * B * kTile : nullptr, xp + m * K, mp ? xs.data() + m * B : nullptr,
+                                      K, block, op + m * N + t * kTile, N);
+  });
+  return out;
+}
+
 // y = x @ w.T in float32 with int8 weights as they are, a float32 scale a block of 16 or 32 k and, given mins,
 // a float32 min: w = q * scale (+ min) (scales and mins (N/16, K/block, 16)); a GGUF file's block types (Q8_0,
 // Q6_K, Q5_K, ...) without a float copy of their weights.
 at::Tensor int8_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t block,
                          const std::optional<at::Tensor>& mins) {
   check_operands(x, packed, 512);
-  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile, B = K / block;
-  TORCH_CHECK(block == 16 || block == 32, "block ", block, " is not 16 or 32");
-  for (const at::Tensor* f : {&scales, mins ? &*mins : nullptr}) {
-    if (f != nullptr)
-      TORCH_CHECK(f->scalar_type() == at::kFloat && f->is_contiguous() && f->numel() == N * B,
-                  f == &scales ? "scales " : "mins ", f->sizes(), " do not match ", tiles, " tiles of ", B,
-                  " blocks (float32)");
-  }
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
+  check_block_factors(scales, mins, tiles, K, block);
+  const int64_t B = K / block;
   auto out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  std::vector<float> xs(mins ? M * B : 0);  // each row's sum of x over each block: the min term's factor
-  for (int64_t i = 0; i < static_cast<int64_t>(xs.size()); ++i) {
-    float s = 0.f;
-    for (int64_t k = i * block; k < (i + 1) * block; ++k) s += xp[k];  // row i / B, block i % B: k from i * block
-    xs[i] = s;
-  }
+  const std::vector<float> xs = mins ? block_sums(xp, M, K, block) : std::vector<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* mp = mins ? mins->data_ptr<float>() : nullptr;
@@ -974,6 +1112,7 @@ EMBER_LIBRARY_FRAGMENT(EMBER_CPU_NAMESPACE, m) {
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
   m.def("int4_gemv_f32(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
   m.def("int8_gemv_f32(Tensor x, Tensor packed, Tensor scales, int block, Tensor? mins=None) -> Tensor");
+  m.def("int5_gemv_f32(Tensor x, Tensor packed, Tensor high, Tensor scales, int block, Tensor? mins=None) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("simd() -> str");
   m.def("int4_gemm_bf16(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
@@ -985,6 +1124,7 @@ EMBER_LIBRARY_IMPL(EMBER_CPU_NAMESPACE, CPU, m) {
   m.impl("int4_gemv", &int4_gemv);
   m.impl("int4_gemv_f32", &int4_gemv_f32);
   m.impl("int8_gemv_f32", &int8_gemv_f32);
+  m.impl("int5_gemv_f32", &int5_gemv_f32);
   m.impl("int8_gemv", &int8_gemv);
 #if defined(EMBER_AMX_BF16)
   m.impl("int4_gemm_bf16", &int4_gemm_bf16);
