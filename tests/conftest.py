@@ -155,6 +155,13 @@ def assert_greedy(model, prompt: list[int], tokens: list[int], near_tie: float =
     )
 
 
+# Tests that run a Triton kernel on CPU tensors in Triton's interpreter: skipped where the suite runs with it
+# off (TRITON_INTERPRET=0, on a GPU machine), where such a launch has no device to run on.
+needs_interpreter = pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="runs in Triton's interpreter (TRITON_INTERPRET=1)"
+)
+
+
 def compile_for_sm90(script: str) -> dict:
     """Runs `script`, which compiles Triton kernels for sm90 and prints one JSON object last (or {"skip":
     why} where this Triton cannot), in a process of its own: this one runs Triton's interpreter. Skips the

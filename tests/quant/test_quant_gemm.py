@@ -11,7 +11,7 @@ import torch
 
 from ember.quant.kernels import int4_mma_dequantize, int4_mma_scales, int4_mma_tile
 from ember.quant.linear import pack_nibbles, quantize_int4_grouped, quantize_int8_per_channel
-from tests.conftest import compile_for_sm90
+from tests.conftest import compile_for_sm90, needs_interpreter
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -20,6 +20,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+@needs_interpreter
 @needs_triton
 @pytest.mark.parametrize("M,N,K", [(9, 48, 256), (33, 160, 320), (130, 96, 192)])
 def test_the_int8_gemm_matches_float_math_in_the_interpreter(M, N, K):
@@ -43,6 +44,7 @@ def test_the_int8_gemm_matches_float_math_in_the_interpreter(M, N, K):
     assert torch.equal(triton_gemm.int8_gemm(x * 0, q, s), x.new_zeros(M, N))
 
 
+@needs_interpreter
 @needs_triton
 @pytest.mark.parametrize("M,group", [(9, 64), (130, 128)])
 def test_the_int4_gemm_decodes_the_mma_layout_in_the_interpreter(M, group):

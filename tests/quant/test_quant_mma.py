@@ -23,7 +23,7 @@ from ember.quant.kernels import (
     int4_mma_untile,
 )
 from ember.quant.linear import pack_nibbles, quantize_int4_grouped
-from tests.conftest import compile_for_sm90
+from tests.conftest import compile_for_sm90, needs_interpreter
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 
@@ -121,6 +121,7 @@ def test_the_mma_layout_needs_tiles_steps_and_whole_step_groups():
     assert not int4_mma_fits(4096, 4096, 32)  # a group of 32 is half a step
 
 
+@needs_interpreter
 @needs_triton
 @pytest.mark.parametrize("group,M", [(64, 1), (128, 3), (256, 8)])
 def test_the_mma_kernel_matches_float_math_in_the_interpreter(group, M):
@@ -149,6 +150,7 @@ def test_the_mma_kernel_matches_float_math_in_the_interpreter(group, M):
     assert torch.equal(triton_mma.int4_mma_gemv(x * 0, words, sz, group), x.new_zeros(M, N))
 
 
+@needs_interpreter
 @needs_triton
 def test_the_prefill_dequantize_kernel_writes_the_layouts_weights_in_the_interpreter():
     from ember.quant import triton_mma
