@@ -832,11 +832,13 @@ def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_
                 assert torch.equal(module.weight, float_sd[f"{name}.weight"])
             elif proj == "mlp.gate_up_proj":  # Q4_0 with a Q5_0 part: int8 blocks with mins, Q5_0's zero
                 assert isinstance(module, Int8BlockLinear) and module._kernel == "cpu_f32", name
-                assert module.mins is not None and not module.mins[128:].any()
+                assert module._mins_f32 is not None  # Q4_0's min, -8 d (its codes 0..15)
                 assert torch.equal(module.dequantize(), float_sd[f"{name}.weight"]), name
             else:
                 assert isinstance(module, Int4WeightOnlyLinear) and module._kernel == "cpu_f32", name
                 assert torch.equal(module.dequantize(), float_sd[f"{name}.weight"]), name
+            if not isinstance(module, nn.Linear):  # the kernel's tiles are the only copy of the codes
+                assert module.qweight is None and module.scales is None, name
     assert isinstance(kept.lm_head, Int8BlockLinear) and kept.lm_head._kernel == "cpu_f32"
     assert torch.equal(kept.lm_head.dequantize(), float_sd["model.embed_tokens.weight"])
     assert torch.equal(kept.model.embed_tokens.weight, float_sd["model.embed_tokens.weight"])

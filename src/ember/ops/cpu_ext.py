@@ -293,6 +293,37 @@ def int8_tiles(qweight: torch.Tensor) -> torch.Tensor:
     return runs.reshape(N // TILE, K // BLOCK * 512).contiguous()
 
 
+def untile_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """`nibble_tiles`' inverse: packed nibbles (N/16, K/32 * 256) -> codes (N, K) uint8 in 0..15."""
+    T, K = packed.shape[0], packed.shape[1] // 256 * BLOCK
+    c = packed.reshape(T, K // BLOCK, 4, TILE, 4)  # (tile, block, run, row, byte)
+    c = torch.stack((c & 0xF, c >> 4), dim=-1)  # (.., byte, half) -> (tile, row, block, half, run, byte)
+    return c.permute(0, 3, 1, 5, 2, 4).reshape(T * TILE, K).contiguous()
+
+
+def untile_int5(packed: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """`int5_tiles`' inverse: codes (N, K) uint8 in 0..31."""
+    codes = untile_nibbles(packed)
+    N, K = codes.shape
+    words = high.reshape(N // TILE, K // BLOCK, TILE, 4).to(torch.int64)  # (tile, block, row, byte)
+    words = (words << (8 * torch.arange(4))).sum(-1).transpose(1, 2)  # (tile, row, block)
+    half, i, j = torch.meshgrid(torch.arange(2), torch.arange(4), torch.arange(4), indexing="ij")
+    fifth = (words[..., None, None, None] >> (8 * j + 4 * half + i)) & 1  # (tile, row, block, half, i, j)
+    return codes | (fifth.reshape(N, K) << 4).to(torch.uint8)
+
+
+def untile_int8(packed: torch.Tensor) -> torch.Tensor:
+    """`int8_tiles`' inverse: codes (N, K) int8."""
+    T, K = packed.shape[0], packed.shape[1] // 512 * BLOCK
+    runs = packed.reshape(T, K // BLOCK, 8, TILE, 4).permute(0, 3, 1, 2, 4).reshape(T * TILE, K)
+    return (runs.to(torch.int16) - 128).to(torch.int8)
+
+
+def untile_factors(tiled: torch.Tensor) -> torch.Tensor:
+    """`int8_block_scales`' inverse: (N/16, K/b, 16) -> (N, K/b)."""
+    return tiled.transpose(1, 2).reshape(-1, tiled.shape[1]).contiguous()
+
+
 def int8_block_scales(scales: torch.Tensor) -> torch.Tensor:
     """(N, K/b) scales (or mins) of int8 blocks of b k -> `int8_gemv_f32`'s (N/16, K/b, 16) float32: a tile's 16
     rows' factors of each block together."""

@@ -359,8 +359,24 @@ class Int4WeightOnlyLinear(QuantLinear):
 
     def dequantize(self) -> torch.Tensor:
         N, K, g = self.out_features, self.in_features, self.group_size
-        codes = unpack_nibbles(self.qweight).float().reshape(N, K // g, g)
-        return (codes * self.scales[..., None] + self.mins[..., None]).reshape(N, K)
+        if self.qweight is None:  # released by a "cpu_f32" prepare(): from the kernel's own layout
+            codes = cpu_ext.untile_nibbles(self._tiles).float().reshape(N, K // g, g)
+            sm = self._scale_min_f32  # (N/16, G, 2, 16)
+            scales, mins = (sm[:, :, i].transpose(1, 2).reshape(N, K // g) for i in (0, 1))
+        else:
+            codes = unpack_nibbles(self.qweight).float().reshape(N, K // g, g)
+            scales, mins = self.scales, self.mins
+        return (codes * scales[..., None] + mins[..., None]).reshape(N, K)
+
+    def _restore(self) -> None:
+        """The canonical codes and factors back from a "cpu_f32" kernel's tiles (`prepare` released them), for
+        another kernel's layout."""
+        N = self.out_features
+        codes = cpu_ext.untile_nibbles(self._tiles)
+        sm = self._scale_min_f32
+        self.qweight = pack_nibbles(codes)
+        self.scales, self.mins = (sm[:, :, i].transpose(1, 2).reshape(N, -1).contiguous() for i in (0, 1))
+        del self._tiles, self._scale_min_f32
 
     def prepare(self) -> None:
         """Picks the kernel for this device, dtype and shape and builds its layout (a second copy of the codes;
@@ -395,6 +411,8 @@ class Int4WeightOnlyLinear(QuantLinear):
           a multiple of 16 (the CPU packing's rows), and on CUDA for bf16 projections that do not tile.
         - "triton": Ember's canonical-layout GEMV for the rest (on CPU: dequantize and matmul).
         """
+        if self.qweight is None:
+            self._restore()
         dev = self.qweight.device
         self._splits = 1
         self._whole_rows = False  # decode GEMVs by the CUDA C++ int4 kernel over whole rows of K
@@ -430,6 +448,9 @@ class Int4WeightOnlyLinear(QuantLinear):
             tiles, scale_min = cpu_ext.int4_tiles(self.qweight, self.scales, self.mins, torch.float32)
             self.register_buffer("_tiles", tiles, persistent=False)
             self.register_buffer("_scale_min_f32", scale_min, persistent=False)
+            # A checkpoint's own codes, kept for float activations: the tiles are the codes now, one copy in
+            # memory, not two (`dequantize` reads them back; another scheme's prepare restores them).
+            self.qweight = self.scales = self.mins = None
         elif self._kernel == "tinygemm":
             packed, sz = tinygemm_layout(self.qweight, self.scales, self.mins, inner or 8)
             self.register_buffer("_packed", packed, persistent=False)
@@ -701,9 +722,18 @@ class Int8BlockLinear(QuantLinear):
         )
 
     def dequantize(self) -> torch.Tensor:
-        N, K = self.qweight.shape
-        w = self.qweight.float().reshape(N, -1, self.block) * self.scales[..., None]
-        return (w if self.mins is None else w + self.mins[..., None]).reshape(N, K)
+        N, K = self.out_features, self.in_features
+        if self.qweight is None:  # released by prepare(): from the kernel's own layout
+            high = self._high
+            codes = (
+                cpu_ext.untile_int8(self._tiles) if high is None else cpu_ext.untile_int5(self._tiles, high)
+            )
+            scales, mins = cpu_ext.untile_factors(self._scales_f32), self._mins_f32
+            mins = None if mins is None else cpu_ext.untile_factors(mins)
+        else:
+            codes, scales, mins = self.qweight, self.scales, self.mins
+        w = codes.float().reshape(N, -1, self.block) * scales[..., None]
+        return (w if mins is None else w + mins[..., None]).reshape(N, K)
 
     def five_bits(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The codes as 5-bit ones (0..31) and the mins that keep the weights, or None where some row's codes
@@ -735,6 +765,9 @@ class Int8BlockLinear(QuantLinear):
             self.register_buffer(
                 "_mins_f32", None if mins is None else cpu_ext.int8_block_scales(mins), persistent=False
             )
+            # The tiles are the codes now: one copy in memory, not two (`dequantize` reads them back; 5-bit
+            # codes of a row taken up by 16 give its weights exactly, as its min is 16 of its scales down).
+            self.qweight = self.scales = self.mins = None
         else:
             self._kernel = "float"
 
