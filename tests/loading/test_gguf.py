@@ -681,6 +681,18 @@ def _build(path: Path, quantize: str | None):
     return quantize_model(model, quantize) if quantize else model
 
 
+def _kept(path: Path):
+    """The model of a GGUF file as a float32 CPU load keeps it: `build_model(keep_codes=True)`."""
+    from ember.loading.gguf import GGUFSource
+    from ember.loading.weights import build_model
+    from ember.models.registry import config_from_hf, get_family
+
+    reader = read_gguf(path)
+    cfg = config_from_hf(gguf_to_hf_config(reader))
+    kw = dict(device="cpu", dtype=torch.float32, origin=str(path), progress=False)
+    return build_model(cfg, get_family(cfg.architecture), GGUFSource(reader), keep_codes=True, **kw)
+
+
 _FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
 _PROJS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -806,9 +818,6 @@ def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_
     from torch import nn
 
     from ember.engine.kv_cache import StaticKVCache
-    from ember.loading.gguf import GGUFSource
-    from ember.loading.weights import build_model
-    from ember.models.registry import config_from_hf, get_family
     from ember.ops import cpu_ext
     from ember.quant import quantize_model
     from ember.quant.linear import Int4WeightOnlyLinear, Int8BlockLinear
@@ -817,10 +826,7 @@ def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_
         pytest.skip("Ember's CPU kernels are not built on this machine")
     path = tmp_path / "q4.gguf"
     _write_mixed_4bit(path)
-    reader = read_gguf(path)
-    cfg = config_from_hf(gguf_to_hf_config(reader))
-    kw = dict(device="cpu", dtype=torch.float32, origin=str(path), progress=False)
-    kept = build_model(cfg, get_family(cfg.architecture), GGUFSource(reader), keep_codes=True, **kw)
+    kept = _kept(path)
     whole = _build(path, None)
     float_sd = whole.state_dict()
     for i in range(L):
@@ -858,9 +864,7 @@ def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     for scheme in ("int4-g32", "int8"):
         again = _build(path, scheme)  # as loading with the scheme: int4-g32 takes the 4-bit codes too
-        requantized = quantize_model(
-            build_model(cfg, get_family(cfg.architecture), GGUFSource(reader), keep_codes=True, **kw), scheme
-        )
+        requantized = quantize_model(_kept(path), scheme)
         assert requantized.quantization == again.quantization
         assert torch.equal(logits(requantized), logits(again)), scheme
 
@@ -928,9 +932,6 @@ def test_an_untied_output_projection_keeps_its_own_codes(tmp_path, head):
     model's."""
     from torch import nn
 
-    from ember.loading.gguf import GGUFSource
-    from ember.loading.weights import build_model
-    from ember.models.registry import config_from_hf, get_family
     from ember.ops import cpu_ext
     from ember.quant.linear import Int4WeightOnlyLinear, Int8BlockLinear
 
@@ -939,11 +940,8 @@ def test_an_untied_output_projection_keeps_its_own_codes(tmp_path, head):
     path = tmp_path / "untied.gguf"
     types = dict(q=QT.Q4_0, k=QT.Q8_0, v=QT.F16, output=QT.Q4_1, gate=QT.Q8_0, up=QT.Q8_0, down=QT.Q4_1)
     _write_wide_llama(path, QT.F16, lambda i: types, seed=3, head=head)
-    reader = read_gguf(path)
-    cfg = config_from_hf(gguf_to_hf_config(reader))
-    assert not cfg.tie_word_embeddings
-    kw = dict(device="cpu", dtype=torch.float32, origin=str(path), progress=False)
-    kept = build_model(cfg, get_family(cfg.architecture), GGUFSource(reader), keep_codes=True, **kw)
+    kept = _kept(path)
+    assert not kept.config.tie_word_embeddings
     whole = _build(path, None)
     want = {QT.Q4_0: Int4WeightOnlyLinear, QT.F16: nn.Linear}.get(head, Int8BlockLinear)
     assert isinstance(kept.lm_head, want)
@@ -960,9 +958,6 @@ def test_a_float_load_keeps_every_k_type_and_their_mixes_as_int8_blocks(tmp_path
     `Int8BlockLinear` of blocks of 16, its weights the dequantized file's bit for bit, computed in 5 bits a
     weight where every part's codes fit; o of Q4_K alone stays int4 groups. Logits and greedy tokens are the
     dequantized model's."""
-    from ember.loading.gguf import GGUFSource
-    from ember.loading.weights import build_model
-    from ember.models.registry import config_from_hf, get_family
     from ember.ops import cpu_ext
     from ember.quant.linear import Int4WeightOnlyLinear, Int8BlockLinear
 
@@ -974,10 +969,7 @@ def test_a_float_load_keeps_every_k_type_and_their_mixes_as_int8_blocks(tmp_path
         dict(q=QT.Q3_K, k=QT.Q3_K, v=QT.Q2_K, output=QT.Q5_K, gate=QT.Q5_K, up=QT.Q6_K, down=QT.Q8_0),
     ]
     _write_wide_llama(path, QT.Q6_K, lambda i: types[i], seed=4)
-    reader = read_gguf(path)
-    cfg = config_from_hf(gguf_to_hf_config(reader))
-    kw = dict(device="cpu", dtype=torch.float32, origin=str(path), progress=False)
-    kept = build_model(cfg, get_family(cfg.architecture), GGUFSource(reader), keep_codes=True, **kw)
+    kept = _kept(path)
     whole = _build(path, None)
     float_sd = whole.state_dict()
     for i in range(L):

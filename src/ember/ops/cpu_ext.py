@@ -301,6 +301,12 @@ def untile_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return c.permute(0, 3, 1, 5, 2, 4).reshape(T * TILE, K).contiguous()
 
 
+def untile_scale_min(scale_min: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int4_tiles`' scale_min (N/16, K/g, 2, 16) -> scales and mins (N, K/g), in its dtype."""
+    T, G = scale_min.shape[:2]
+    return tuple(scale_min[:, :, i].transpose(1, 2).reshape(T * TILE, G).contiguous() for i in (0, 1))
+
+
 def untile_int5(packed: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     """`int5_tiles`' inverse: codes (N, K) uint8 in 0..31."""
     codes = untile_nibbles(packed)

@@ -361,8 +361,7 @@ class Int4WeightOnlyLinear(QuantLinear):
         N, K, g = self.out_features, self.in_features, self.group_size
         if self.qweight is None:  # released by a "cpu_f32" prepare(): from the kernel's own layout
             codes = cpu_ext.untile_nibbles(self._tiles).float().reshape(N, K // g, g)
-            sm = self._scale_min_f32  # (N/16, G, 2, 16)
-            scales, mins = (sm[:, :, i].transpose(1, 2).reshape(N, K // g) for i in (0, 1))
+            scales, mins = cpu_ext.untile_scale_min(self._scale_min_f32)
         else:
             codes = unpack_nibbles(self.qweight).float().reshape(N, K // g, g)
             scales, mins = self.scales, self.mins
@@ -371,11 +370,8 @@ class Int4WeightOnlyLinear(QuantLinear):
     def _restore(self) -> None:
         """The canonical codes and factors back from a "cpu_f32" kernel's tiles (`prepare` released them), for
         another kernel's layout."""
-        N = self.out_features
-        codes = cpu_ext.untile_nibbles(self._tiles)
-        sm = self._scale_min_f32
-        self.qweight = pack_nibbles(codes)
-        self.scales, self.mins = (sm[:, :, i].transpose(1, 2).reshape(N, -1).contiguous() for i in (0, 1))
+        self.qweight = pack_nibbles(cpu_ext.untile_nibbles(self._tiles))
+        self.scales, self.mins = cpu_ext.untile_scale_min(self._scale_min_f32)
         del self._tiles, self._scale_min_f32
 
     def prepare(self) -> None:
@@ -750,6 +746,8 @@ class Int8BlockLinear(QuantLinear):
         return codes, mins - up[:, None].float() * self.scales
 
     def prepare(self) -> None:
+        if self.qweight is None:  # prepared already: the kernel's tiles hold the codes
+            return
         cpu = self.qweight.device.type == "cpu" and self.dtype == torch.float32
         if cpu and cpu_ext.fits(self.out_features, self.in_features) and cpu_ext.available():
             self._kernel = "cpu_f32"
@@ -782,15 +780,14 @@ class Int8BlockLinear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self._kernel == "cpu_f32" and self._high is not None:
-            y = torch.ops.ember_cpu.int5_gemv_f32(
-                float32_rows(x2), self._tiles, self._high, self._scales_f32, self.block, self._mins_f32
-            )
-            y = y if y.dtype == x.dtype else y.to(x.dtype)
-        elif self._kernel == "cpu_f32":
-            y = torch.ops.ember_cpu.int8_gemv_f32(
-                float32_rows(x2), self._tiles, self._scales_f32, self.block, self._mins_f32
-            )
+        if self._kernel == "cpu_f32":
+            ops, rows = torch.ops.ember_cpu, float32_rows(x2)
+            if self._high is not None:
+                y = ops.int5_gemv_f32(
+                    rows, self._tiles, self._high, self._scales_f32, self.block, self._mins_f32
+                )
+            else:
+                y = ops.int8_gemv_f32(rows, self._tiles, self._scales_f32, self.block, self._mins_f32)
             y = y if y.dtype == x.dtype else y.to(x.dtype)
         else:
             y = F.linear(x2, self.dequantize().to(x.dtype))

@@ -751,6 +751,17 @@ void int8_tile_f32(const uint8_t* w, const float* scales, const float* mins, con
   for (int r = 0; r < R; ++r) store(out + r * N, acc[r]);
 }
 
+// Each row's sum of x over each block of `block` k (M * K / block floats): the min term's factor.
+std::vector<float> block_sums(const float* x, int64_t M, int64_t K, int64_t block) {
+  std::vector<float> xs(M * K / block);
+  for (int64_t i = 0; i < static_cast<int64_t>(xs.size()); ++i) {
+    float s = 0.f;
+    for (int64_t k = i * block; k < (i + 1) * block; ++k) s += x[k];  // row i / B, block i % B: k from i * block
+    xs[i] = s;
+  }
+  return xs;
+}
+
 // y = x @ w.T in float32 with int4 weights as they are: x not rounded, w = q * scale + min with float32 factors
 // (scale_min (N/16, K/g, 2, 16)), each group's products summed, then scaled. The float linear's values on the
 // dequantized weights but for the order of the sums: a GGUF file's 4-bit weights computed without a float
@@ -766,14 +777,7 @@ at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
               "scale_min ", scale_min.sizes(), " does not match ", tiles, " tiles of ", G, " groups (float32)");
   auto out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  std::vector<float> xs(M * G);  // each row's sum of x over each group: the min term's factor
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < G; ++g) {
-      float s = 0.f;
-      for (int64_t k = g * group_size; k < (g + 1) * group_size; ++k) s += xp[m * K + k];
-      xs[m * G + g] = s;
-    }
-  }
+  const std::vector<float> xs = block_sums(xp, M, K, group_size);  // the min term's factors, a group each
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const float* sp = scale_min.data_ptr<float>();
   float* op = out.data_ptr<float>();
@@ -831,17 +835,6 @@ void int5_tile_f32(const uint8_t* w, const uint8_t* high, const float* scales, c
     }
   }
   for (int r = 0; r < R; ++r) store(out + r * N, acc[r]);
-}
-
-// Each row's sum of x over each block of `block` k (M * K / block floats): the min term's factor.
-std::vector<float> block_sums(const float* x, int64_t M, int64_t K, int64_t block) {
-  std::vector<float> xs(M * K / block);
-  for (int64_t i = 0; i < static_cast<int64_t>(xs.size()); ++i) {
-    float s = 0.f;
-    for (int64_t k = i * block; k < (i + 1) * block; ++k) s += x[k];  // row i / B, block i % B: k from i * block
-    xs[i] = s;
-  }
-  return xs;
 }
 
 // int8_gemv_f32's factors (scales, and mins or none): float32 (N/16, K/block, 16) for `tiles` tiles.
