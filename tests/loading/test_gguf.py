@@ -820,7 +820,7 @@ def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_
     from ember.engine.kv_cache import StaticKVCache
     from ember.ops import cpu_ext
     from ember.quant import quantize_model
-    from ember.quant.linear import Int4WeightOnlyLinear, Int8BlockLinear
+    from ember.quant.linear import CodesEmbedding, Int4WeightOnlyLinear, Int8BlockLinear
 
     if not cpu_ext.available():
         pytest.skip("Ember's CPU kernels are not built on this machine")
@@ -847,7 +847,15 @@ def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_
                 assert module.qweight is None and module.scales is None, name
     assert isinstance(kept.lm_head, Int8BlockLinear) and kept.lm_head._kernel == "cpu_f32"
     assert torch.equal(kept.lm_head.dequantize(), float_sd["model.embed_tokens.weight"])
-    assert torch.equal(kept.model.embed_tokens.weight, float_sd["model.embed_tokens.weight"])
+    # the embedding is looked up in the same codes, every row the float load's, no float table made
+    assert isinstance(kept.model.embed_tokens, CodesEmbedding) and not list(
+        kept.model.embed_tokens.parameters()
+    )
+    every = torch.arange(kept.config.vocab_size)
+    assert torch.equal(kept.model.embed_tokens(every), float_sd["model.embed_tokens.weight"])
+    assert torch.equal(
+        kept.model.embed_tokens(every[[7, 3, 7]][None])[0], float_sd["model.embed_tokens.weight"][[7, 3, 7]]
+    )
     assert getattr(kept, "quantization", None) is None
     tokens = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
 

@@ -246,7 +246,8 @@ class Generator:
         self.model = model
         self.device = device
         self.context = context
-        self.dtype = model.model.embed_tokens.weight.dtype
+        table = getattr(model.model.embed_tokens, "weight", None)  # none: looked up in kept codes
+        self.dtype = table.dtype if table is not None else model.model.embed_tokens.dtype
         if not self.dtype.is_floating_point:  # a quantized embedding: activations follow the norms
             self.dtype = model.model.norm.weight.dtype
         self.cache: StaticKVCache | None = None

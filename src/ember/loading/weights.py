@@ -115,10 +115,10 @@ def build_model(
     blocks Ember's kernels take as they are stay those codes, computed with float activations: int4 groups
     where every part is 4-bit (GGUF's Q4_0 / Q4_1 / Q4_K: `Int4WeightOnlyLinear.float_activations`), else int8
     blocks (those and Q8_0, Q6_K, Q5_0/1, Q5_K, Q3_K, Q2_K: `Int8BlockLinear`). The float model's values,
-    without its float weights; the rest is read as float, as without it (the embedding too, for its
-    lookups)."""
+    without its float weights; a tied embedding kept so is looked up in those codes (`CodesEmbedding`); the
+    rest is read as float, as without it."""
     from ember.quant import GGUF_GROUP, QuantSpec, check_fits, quantized_projections
-    from ember.quant.linear import Int4WeightOnlyLinear, Int8BlockLinear, QuantLinear
+    from ember.quant.linear import CodesEmbedding, Int4WeightOnlyLinear, Int8BlockLinear, QuantLinear
 
     with torch.device("meta"):
         model = Decoder(cfg)
@@ -232,8 +232,15 @@ def build_model(
 
     state: dict[str, torch.Tensor] = {}
     swapped: dict[str, nn.Module] = {}
+    embedding = "model.embed_tokens.weight"
+    tied_head = keep_codes and cfg.tie_word_embeddings and embedding in plan
     for name in tqdm(plan, desc="loading weights", unit="tensor", disable=not progress, leave=False):
         module, _, leaf = name.rpartition(".")
+        if name == embedding and tied_head and (kept := kept_codes(name, None)) is not None:
+            # A tied embedding's codes: the output projection, and the table its lookups dequantize rows of
+            # (the float table never made).
+            swapped["lm_head"], swapped[module] = kept, CodesEmbedding(kept, dtype)
+            continue
         if module not in targets:
             state[name] = read(name)
         elif leaf == "weight":  # its bias, if any, comes next in the plan and is read with it
@@ -255,11 +262,6 @@ def build_model(
     for module, quantized in swapped.items():
         parent, _, leaf = module.rpartition(".")
         setattr(model.get_submodule(parent), leaf, quantized)
-    # A tied output projection as the embedding's codes (the embedding itself stays float, for its lookups).
-    embedding = "model.embed_tokens.weight"
-    tied_head = keep_codes and cfg.tie_word_embeddings and embedding in plan
-    if tied_head and (kept := kept_codes(embedding, None)) is not None:
-        model.lm_head = kept
     model.tie_weights()
     model.init_buffers(device)
     model.eval().requires_grad_(False)

@@ -47,7 +47,13 @@ from torch import nn
 from ember.config import ModelConfig
 from ember.errors import CheckpointError, EmberError
 from ember.ops.rope import RopeConfig
-from ember.quant.linear import Int4WeightOnlyLinear, Int8DynActLinear, Int8WeightOnlyLinear, QuantLinear
+from ember.quant.linear import (
+    CodesEmbedding,
+    Int4WeightOnlyLinear,
+    Int8DynActLinear,
+    Int8WeightOnlyLinear,
+    QuantLinear,
+)
 
 FORMAT_VERSION = 1
 MODULES: dict[str, type[QuantLinear]] = {
@@ -173,6 +179,9 @@ def quantize_model(model: nn.Module, scheme: str, *, output: bool = True) -> nn.
     names = check_fits(model, spec)
     if spec.scheme == "gguf" and not all(isinstance(model.get_submodule(n), QuantLinear) for n in names):
         raise not_gguf("it is chosen when loading one, and this model's projections are float")
+    body = model.model
+    if isinstance(body.embed_tokens, CodesEmbedding):  # looked up in kept codes: the float table back, as a
+        body.embed_tokens = body.embed_tokens.as_table()  # quantized model holds (and saves) it
     schemes: dict[str, str] = {}
     for name in names:
         module = model.get_submodule(name)

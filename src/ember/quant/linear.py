@@ -358,14 +358,28 @@ class Int4WeightOnlyLinear(QuantLinear):
         return {"group_size": self.group_size}
 
     def dequantize(self) -> torch.Tensor:
-        N, K, g = self.out_features, self.in_features, self.group_size
-        if self.qweight is None:  # released by a "cpu_f32" prepare(): from the kernel's own layout
-            codes = cpu_ext.untile_nibbles(self._tiles).float().reshape(N, K // g, g)
-            scales, mins = cpu_ext.untile_scale_min(self._scale_min_f32)
+        return self.weight_rows(None)
+
+    def weight_rows(self, ids: torch.Tensor | None) -> torch.Tensor:
+        """Rows `ids` (1-D; None: all) of the float weight these codes stand for, in float32; from the kernel's
+        tiles where a "cpu_f32" prepare() released the canonical codes (each row's whole tile untiled)."""
+        if self.qweight is None:
+            tiles, sm = self._tiles, self._scale_min_f32
+            if ids is not None:
+                tiles, sm = tiles[ids // cpu_ext.TILE], sm[ids // cpu_ext.TILE]
+            codes, (scales, mins) = cpu_ext.untile_nibbles(tiles), cpu_ext.untile_scale_min(sm)
+            if ids is not None:  # each row of its tile
+                own = torch.arange(ids.numel(), device=ids.device) * cpu_ext.TILE + ids % cpu_ext.TILE
+                codes, scales, mins = codes[own], scales[own], mins[own]
         else:
-            codes = unpack_nibbles(self.qweight).float().reshape(N, K // g, g)
-            scales, mins = self.scales, self.mins
-        return (codes * scales[..., None] + mins[..., None]).reshape(N, K)
+            qweight, scales, mins = (
+                (self.qweight, self.scales, self.mins)
+                if ids is None
+                else (self.qweight[ids], self.scales[ids], self.mins[ids])
+            )
+            codes = unpack_nibbles(qweight)
+        rows, K, g = codes.shape[0], self.in_features, self.group_size
+        return (codes.float().reshape(rows, K // g, g) * scales[..., None] + mins[..., None]).reshape(rows, K)
 
     def _restore(self) -> None:
         """The canonical codes and factors back from a "cpu_f32" kernel's tiles (`prepare` released them), for
@@ -718,18 +732,31 @@ class Int8BlockLinear(QuantLinear):
         )
 
     def dequantize(self) -> torch.Tensor:
-        N, K = self.out_features, self.in_features
-        if self.qweight is None:  # released by prepare(): from the kernel's own layout
-            high = self._high
-            codes = (
-                cpu_ext.untile_int8(self._tiles) if high is None else cpu_ext.untile_int5(self._tiles, high)
+        return self.weight_rows(None)
+
+    def weight_rows(self, ids: torch.Tensor | None) -> torch.Tensor:
+        """Rows `ids` (1-D; None: all) of the float weight these codes stand for, in float32; from the kernel's
+        tiles where prepare() released the canonical codes (each row's whole tile untiled)."""
+        if self.qweight is None:
+            held = (self._tiles, self._high, self._scales_f32, self._mins_f32)
+            if ids is not None:
+                held = tuple(None if t is None else t[ids // cpu_ext.TILE] for t in held)
+            tiles, high, scales, mins = held
+            codes = cpu_ext.untile_int8(tiles) if high is None else cpu_ext.untile_int5(tiles, high)
+            scales, mins = (
+                cpu_ext.untile_factors(scales),
+                None if mins is None else cpu_ext.untile_factors(mins),
             )
-            scales, mins = cpu_ext.untile_factors(self._scales_f32), self._mins_f32
-            mins = None if mins is None else cpu_ext.untile_factors(mins)
+            if ids is not None:  # each row of its tile
+                own = torch.arange(ids.numel(), device=ids.device) * cpu_ext.TILE + ids % cpu_ext.TILE
+                codes, scales, mins = codes[own], scales[own], None if mins is None else mins[own]
         else:
             codes, scales, mins = self.qweight, self.scales, self.mins
-        w = codes.float().reshape(N, -1, self.block) * scales[..., None]
-        return (w if mins is None else w + mins[..., None]).reshape(N, K)
+            if ids is not None:
+                codes, scales, mins = codes[ids], scales[ids], None if mins is None else mins[ids]
+        rows = codes.shape[0]
+        w = codes.float().reshape(rows, -1, self.block) * scales[..., None]
+        return (w if mins is None else w + mins[..., None]).reshape(rows, self.in_features)
 
     def five_bits(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The codes as 5-bit ones (0..31) and the mins that keep the weights, or None where some row's codes
@@ -792,6 +819,30 @@ class Int8BlockLinear(QuantLinear):
         else:
             y = F.linear(x2, self.dequantize().to(x.dtype))
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
+
+
+class CodesEmbedding(nn.Module):
+    """A tied embedding looked up in its output projection's kept codes (`Int4WeightOnlyLinear` with
+    `float_activations`, or `Int8BlockLinear`): each token's row dequantized as it is looked up, to the float
+    load's values exactly, so that the float table (a GGUF file's largest tensor, 4 bytes a weight) is never
+    made. The projection is held outside the module tree: it is the model's `lm_head`, moved and counted there.
+    """
+
+    def __init__(self, head: QuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._head = [head]
+        self.num_embeddings, self.embedding_dim, self.dtype = head.out_features, head.in_features, dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self._head[0].weight_rows(ids.reshape(-1))
+        return rows.to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+    def as_table(self) -> nn.Embedding:
+        """The same lookups from a float table (the model's embedding as a float load makes it)."""
+        table = nn.Embedding(
+            self.num_embeddings, self.embedding_dim, _weight=self._head[0].dequantize().to(self.dtype)
+        )
+        return table.requires_grad_(False)
 
 
 # Up to this many rows an int8-dyn projection runs Ember's int8 kernel (`cpu_ext`) rather than `torch._int_mm`
