@@ -301,6 +301,12 @@ def untile_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return c.permute(0, 3, 1, 5, 2, 4).reshape(T * TILE, K).contiguous()
 
 
+def tile_rows(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows `ids` (1-D) of a tiled weight -> the tiles that hold them, and where each row falls among those
+    tiles' untiled rows (len(ids) * 16 of them)."""
+    return ids // TILE, torch.arange(ids.numel(), device=ids.device) * TILE + ids % TILE
+
+
 def untile_scale_min(scale_min: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`int4_tiles`' scale_min (N/16, K/g, 2, 16) -> scales and mins (N, K/g), in its dtype."""
     T, G = scale_min.shape[:2]

@@ -366,10 +366,10 @@ class Int4WeightOnlyLinear(QuantLinear):
         if self.qweight is None:
             tiles, sm = self._tiles, self._scale_min_f32
             if ids is not None:
-                tiles, sm = tiles[ids // cpu_ext.TILE], sm[ids // cpu_ext.TILE]
+                which, own = cpu_ext.tile_rows(ids)
+                tiles, sm = tiles[which], sm[which]
             codes, (scales, mins) = cpu_ext.untile_nibbles(tiles), cpu_ext.untile_scale_min(sm)
             if ids is not None:  # each row of its tile
-                own = torch.arange(ids.numel(), device=ids.device) * cpu_ext.TILE + ids % cpu_ext.TILE
                 codes, scales, mins = codes[own], scales[own], mins[own]
         else:
             qweight, scales, mins = (
@@ -740,7 +740,8 @@ class Int8BlockLinear(QuantLinear):
         if self.qweight is None:
             held = (self._tiles, self._high, self._scales_f32, self._mins_f32)
             if ids is not None:
-                held = tuple(None if t is None else t[ids // cpu_ext.TILE] for t in held)
+                which, own = cpu_ext.tile_rows(ids)
+                held = tuple(None if t is None else t[which] for t in held)
             tiles, high, scales, mins = held
             codes = cpu_ext.untile_int8(tiles) if high is None else cpu_ext.untile_int5(tiles, high)
             scales, mins = (
@@ -748,7 +749,6 @@ class Int8BlockLinear(QuantLinear):
                 None if mins is None else cpu_ext.untile_factors(mins),
             )
             if ids is not None:  # each row of its tile
-                own = torch.arange(ids.numel(), device=ids.device) * cpu_ext.TILE + ids % cpu_ext.TILE
                 codes, scales, mins = codes[own], scales[own], None if mins is None else mins[own]
         else:
             codes, scales, mins = self.qweight, self.scales, self.mins

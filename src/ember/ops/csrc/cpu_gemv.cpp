@@ -849,30 +849,43 @@ void check_block_factors(const at::Tensor& scales, const std::optional<at::Tenso
   }
 }
 
-// y = x @ w.T in float32 with 5-bit codes as they are (int5_tile_f32's layout), w = q * scale (+ min); a GGUF
-// file's Q5_0 / Q5_1 / Q5_K (and Q3_K / Q2_K / 4-bit, beside them in one projection) in 5 bits a weight.
-at::Tensor int5_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& high, const at::Tensor& scales,
-                         int64_t block, const std::optional<at::Tensor>& mins) {
-  check_operands(x, packed, 256);
+// The block ops' shared run (int5_gemv_f32, int8_gemv_f32): x and the codes (bytes_per_block a tile's block
+// of 32 k) checked with the factors, the rows' block sums where mins are given, then for each tile t and run
+// of R rows m: tile(R, t, its scales, its mins or null, the rows' x, their block sums or null, their out).
+template <typename Tile>
+at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t bytes_per_block, const at::Tensor& scales,
+                      int64_t block, const std::optional<at::Tensor>& mins, Tile tile) {
+  check_operands(x, packed, bytes_per_block);
   const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
-  TORCH_CHECK(high.scalar_type() == at::kByte && high.is_contiguous() && high.numel() == tiles * (K / kBlock) * 64,
-              "high bits ", high.sizes(), " do not match ", tiles, " tiles of K = ", K);
   check_block_factors(scales, mins, tiles, K, block);
   const int64_t B = K / block;
   auto out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const std::vector<float> xs = mins ? block_sums(xp, M, K, block) : std::vector<float>();
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const uint8_t* hp = high.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
   const float* mp = mins ? mins->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   over_tiles(tiles, M, [&](auto R, int64_t t, int64_t m) {
-    int5_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 256, hp + t * (K / kBlock) * 64, sp + t * B * kTile,
-                                      mp ? mp + t * B * kTile : nullptr, xp + m * K, mp ? xs.data() + m * B : nullptr,
-                                      K, block, op + m * N + t * kTile, N);
+    tile(R, t, sp + t * B * kTile, mp ? mp + t * B * kTile : nullptr, xp + m * K, mp ? xs.data() + m * B : nullptr,
+         op + m * N + t * kTile);
   });
   return out;
+}
+
+// y = x @ w.T in float32 with 5-bit codes as they are (int5_tile_f32's layout), w = q * scale (+ min); a GGUF
+// file's Q5_0 / Q5_1 / Q5_K (and Q3_K / Q2_K / 4-bit, beside them in one projection) in 5 bits a weight.
+at::Tensor int5_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& high, const at::Tensor& scales,
+                         int64_t block, const std::optional<at::Tensor>& mins) {
+  check_operands(x, packed, 256);
+  const int64_t K = x.size(1), N = packed.size(0) * kTile, KB = K / kBlock;
+  TORCH_CHECK(high.scalar_type() == at::kByte && high.is_contiguous() && high.numel() == packed.size(0) * KB * 64,
+              "high bits ", high.sizes(), " do not match ", packed.size(0), " tiles of K = ", K);
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const uint8_t* hp = high.data_ptr<uint8_t>();
+  return block_gemv(x, packed, 256, scales, block, mins,
+                    [&](auto R, int64_t t, const float* s, const float* mn, const float* xr, const float* xs, float* o) {
+                      int5_tile_f32<decltype(R)::value>(wp + t * KB * 256, hp + t * KB * 64, s, mn, xr, xs, K, block, o, N);
+                    });
 }
 
 // y = x @ w.T in float32 with int8 weights as they are, a float32 scale a block of 16 or 32 k and, given mins,
@@ -881,21 +894,12 @@ at::Tensor int5_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
 at::Tensor int8_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t block,
                          const std::optional<at::Tensor>& mins) {
   check_operands(x, packed, 512);
-  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
-  check_block_factors(scales, mins, tiles, K, block);
-  const int64_t B = K / block;
-  auto out = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const std::vector<float> xs = mins ? block_sums(xp, M, K, block) : std::vector<float>();
+  const int64_t K = x.size(1), N = packed.size(0) * kTile, KB = K / kBlock;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* mp = mins ? mins->data_ptr<float>() : nullptr;
-  float* op = out.data_ptr<float>();
-  over_tiles(tiles, M, [&](auto R, int64_t t, int64_t m) {
-    int8_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 512, sp + t * B * kTile, mp ? mp + t * B * kTile : nullptr,
-                                      xp + m * K, mp ? xs.data() + m * B : nullptr, K, block, op + m * N + t * kTile, N);
-  });
-  return out;
+  return block_gemv(x, packed, 512, scales, block, mins,
+                    [&](auto R, int64_t t, const float* s, const float* mn, const float* xr, const float* xs, float* o) {
+                      int8_tile_f32<decltype(R)::value>(wp + t * KB * 512, s, mn, xr, xs, K, block, o, N);
+                    });
 }
 
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
