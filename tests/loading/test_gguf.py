@@ -838,7 +838,7 @@ def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_
                 assert torch.equal(module.weight, float_sd[f"{name}.weight"])
             elif proj == "mlp.gate_up_proj":  # Q4_0 with a Q5_0 part: int8 blocks with mins, Q5_0's zero
                 assert isinstance(module, Int8BlockLinear) and module._kernel == "cpu_f32", name
-                assert module._mins_f32 is not None  # Q4_0's min, -8 d (its codes 0..15)
+                assert module._tile_mins is not None  # Q4_0's min, -8 d (its codes 0..15)
                 assert torch.equal(module.dequantize(), float_sd[f"{name}.weight"]), name
             else:
                 assert isinstance(module, Int4WeightOnlyLinear) and module._kernel == "cpu_f32", name
@@ -1006,6 +1006,24 @@ def test_a_float_load_keeps_every_k_type_and_their_mixes_as_int8_blocks(tmp_path
         "model.layers.1.mlp.gate_up_proj": False,
         "model.layers.1.mlp.down_proj": False,
         "lm_head": False,
+    }
+    # factors coded as int8s of an f16 unit a run of 256 k where every part is a K type (`cpu_ext.coded_factors`),
+    # float32 where a part is not (Q5_1, Q8_0) or K is narrower (down: 128)
+    coded = {
+        name: getattr(module, "_scale_units", getattr(module, "_scale_min_units", None)) is not None
+        for name, module in kept.named_modules()
+        if isinstance(module, (Int8BlockLinear, Int4WeightOnlyLinear))
+    }
+    assert coded == {
+        "model.layers.0.self_attn.qkv_proj": True,
+        "model.layers.0.self_attn.o_proj": True,
+        "model.layers.0.mlp.gate_up_proj": False,
+        "model.layers.0.mlp.down_proj": False,
+        "model.layers.1.self_attn.qkv_proj": True,
+        "model.layers.1.self_attn.o_proj": True,
+        "model.layers.1.mlp.gate_up_proj": True,
+        "model.layers.1.mlp.down_proj": False,
+        "lm_head": True,
     }
     tokens = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
     got, want = _prompt_logits(kept, tokens), _prompt_logits(whole, tokens)

@@ -116,6 +116,80 @@ def test_int8_gemv_f32_is_the_float_linear_on_the_blocks_weights(ops, rows, bloc
         ops.int8_gemv_f32(x, tiles, tiled, block, tiled[:, :-1].contiguous())
 
 
+# Integer ranges of GGUF K types' factors of a run of 256 k (the unit an f16 d or -dmin): Q4_K / Q5_K scales and
+# mins, Q6_K scales, Q3_K scales, Q2_K scales and mins
+K_CODES = {"6bit": (0, 63), "int8": (-128, 127), "q3k": (-32, 31), "4bit": (0, 15)}
+
+
+def k_factors(N: int, blocks: int, codes: tuple[int, int], per: int, seed: int) -> torch.Tensor:
+    """(N, blocks) factors like a K type's: each run of `per` blocks an f16 unit (either sign, some runs all
+    zero, units from 1e-6 to 10) times random integers in `codes`."""
+    g = torch.Generator().manual_seed(seed)
+    units = torch.randn(N, blocks // per, generator=g) * 10 ** torch.randint(
+        -6, 2, (N, blocks // per), generator=g
+    )
+    units = units.half().float()
+    units[0, 0] = 0.0
+    ints = torch.randint(codes[0], codes[1] + 1, (N, blocks), generator=g).float()
+    return ints * units.repeat_interleave(per, dim=1)
+
+
+@pytest.mark.parametrize("kind", sorted(K_CODES))
+@pytest.mark.parametrize("block", [16, 32])
+def test_coded_factors_are_the_float_factors_bit_for_bit(kind, block):
+    """K-type factors coded as int8 codes times a float32 unit a run of 256 k give back every float32 factor
+    exactly; factors that are no one float times small integers (Q8_0's f16 a block) and widths that are no
+    multiple of 256 are not coded."""
+    N, K = 48, 1024
+    scales = k_factors(N, K // block, K_CODES[kind], 256 // block, seed=block)
+    tiled = cpu_ext.int8_block_scales(scales)
+    codes, units = cpu_ext.coded_factors(tiled, K)
+    assert codes.dtype == torch.int8 and codes.shape == tiled.shape and units.shape == (N // 16, K // 256, 16)
+    assert torch.equal(cpu_ext.uncoded(codes, units), tiled)
+    assert not torch.equal(codes.float(), tiled)  # not the factors themselves
+    pairs = cpu_ext.int4_tiles(torch.zeros(N, K // 2, dtype=torch.uint8), scales, -scales, torch.float32)[1]
+    codes, units = cpu_ext.coded_factors(pairs, K)
+    assert torch.equal(cpu_ext.uncoded(codes, units), pairs) and units.shape == (N // 16, K // 256, 2, 16)
+    per_block = torch.randn(N, K // block).half().float()  # Q8_0: an unrelated f16 a block
+    assert cpu_ext.coded_factors(cpu_ext.int8_block_scales(per_block), K) is None
+    assert cpu_ext.coded_factors(cpu_ext.int8_block_scales(scales[:, : 640 // block]), 640) is None
+
+
+@pytest.mark.parametrize("with_mins", [False, True], ids=["scales", "mins"])
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("rows", [1, 3, 9])
+def test_coded_factors_compute_what_float_factors_do(ops, rows, block, with_mins):
+    """int8, 5-bit and int4 codes with coded factors (`cpu_ext.coded_factors`) give the float32 factors' outputs
+    bit for bit (each factor is the same float32 product)."""
+    N, K = 48, 1024
+    codes = torch.randint(0, 16, (N, K), dtype=torch.int8, generator=torch.Generator().manual_seed(rows))
+    scales = k_factors(N, K // block, K_CODES["6bit"], 256 // block, seed=rows)
+    mins = -k_factors(N, K // block, K_CODES["6bit"], 256 // block, seed=rows + 1) if with_mins else None
+    x = activations(rows, K)
+    tiled = [None if f is None else cpu_ext.int8_block_scales(f) for f in (scales, mins)]
+    coded = [None if f is None else cpu_ext.coded_factors(f, K) for f in tiled]
+    units = [None if c is None else c[1] for c in coded]
+    factors = [None if c is None else c[0] for c in coded]
+    packed, high = cpu_ext.int5_tiles(codes)
+    for op, operands in (
+        (ops.int8_gemv_f32, (cpu_ext.int8_tiles(codes),)),
+        (ops.int5_gemv_f32, (packed, high)),
+    ):
+        want = op(x, *operands, tiled[0], block, tiled[1])
+        got = op(x, *operands, factors[0], block, factors[1], units[0], units[1])
+        assert torch.equal(got, want)
+    if block == 32 and with_mins:
+        qweight = pack_nibbles(codes.to(torch.uint8))
+        tiles, pairs = cpu_ext.int4_tiles(qweight, scales, mins, torch.float32)
+        pair_codes, pair_units = cpu_ext.coded_factors(pairs, K)
+        want = ops.int4_gemv_f32(x, tiles, pairs, 32)
+        assert torch.equal(ops.int4_gemv_f32(x, tiles, pair_codes, 32, pair_units), want)
+        with pytest.raises(RuntimeError, match=r"units .* do not match"):
+            ops.int4_gemv_f32(x, tiles, pair_codes, 32, pair_units[:, :-1].contiguous())
+    with pytest.raises(RuntimeError, match=r"scales .* \(int8 codes beside units\)"):
+        ops.int8_gemv_f32(x, cpu_ext.int8_tiles(codes), tiled[0], block, None, units[0])
+
+
 @pytest.mark.parametrize("with_mins", [False, True], ids=["scales", "mins"])
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("rows", [1, 2, 3, 9])

@@ -161,7 +161,7 @@ def load(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> str:
             torch.ops.load_library(str(build(namespace, flags)))
             fakes = (
                 ("int4_gemv", _int4_fake),
-                ("int4_gemv_f32", _int4_fake),
+                ("int4_gemv_f32", _int4_f32_fake),
                 ("int4_gemm_bf16", _int4_fake),
                 ("int4_silu_gate_up_bf16", _int4_glu_fake),
                 ("int8_gemv", _int8_fake),
@@ -234,11 +234,15 @@ def _int8_fake(x, packed, scales):
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)
 
 
-def _int8_blocks_fake(x, packed, scales, block, mins=None):
+def _int4_f32_fake(x, packed, scale_min, group_size, units=None):
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)
 
 
-def _int5_fake(x, packed, high, scales, block, mins=None):
+def _int8_blocks_fake(x, packed, scales, block, mins=None, scale_units=None, min_units=None):
+    return x.new_empty(x.shape[0], packed.shape[0] * TILE)
+
+
+def _int5_fake(x, packed, high, scales, block, mins=None, scale_units=None, min_units=None):
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)
 
 
@@ -334,6 +338,57 @@ def untile_int8(packed: torch.Tensor) -> torch.Tensor:
 def untile_factors(tiled: torch.Tensor) -> torch.Tensor:
     """`int8_block_scales`' inverse: (N/16, K/b, 16) -> (N, K/b)."""
     return tiled.transpose(1, 2).reshape(-1, tiled.shape[1]).contiguous()
+
+
+# The float kernels' factors coded in runs of UNIT_K k: an int8 a block times a float32 unit a run (`Factors` in
+# the C++ source), where that is exact: a GGUF K type's factors are an f16 (d, dmin) of 256 weights times small
+# integers, 0.75 bits a weight (Q4_K's scale and min), not 2 as float32s.
+UNIT_K = 256
+
+
+def coded_factors(tiled: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A float kernel's float32 factors (N/16, K/b, *lanes) (`int8_block_scales`' (.., 16), `int4_tiles`' pairs
+    (.., 2, 16)) -> int8 codes of the same shape and float32 units (N/16, K/256, *lanes), codes times units
+    equal to the factors bit for bit; None where some run of 256 k has no such unit (factors that are not one
+    float times small integers: Q8_0's, Q4_1's) or K is no multiple of 256.
+
+    A run's unit is the greatest common divisor of its factors as binary fractions: the gcd of their odd
+    significands times two to the least exponent. Every factor is an integer times it, and no integer is
+    larger than over any other common unit (a K type's f16 d: the codes are at most its own)."""
+    T, B, lanes = tiled.shape[0], tiled.shape[1], tiled.shape[2:]
+    if K % UNIT_K or B % (K // UNIT_K):
+        return None
+    S = K // UNIT_K
+    per = B // S
+    # runs (T, S, per, *lanes) -> one row a run and lane: (T * S * lanes, per)
+    v = tiled.float().reshape(T, S, per, -1).transpose(2, 3).reshape(-1, per)
+    fraction, exponent = torch.frexp(v.abs())
+    significand = (fraction * 2**24).int()  # exact: 24 bits; 0 for a zero
+    shift = torch.frexp((significand & -significand).float())[1] - 1  # its lowest set bit's (-1 for a zero)
+    odd = significand >> shift.clamp(min=0)
+    power = torch.where(significand == 0, 1 << 20, exponent - 24 + shift)  # v = odd * 2^power
+    g = odd[:, 0]
+    for i in range(1, per):
+        g = torch.gcd(g, odd[:, i])
+    units = torch.ldexp(g.float(), power.amin(dim=1).clamp(max=1 << 10).float())  # exact: g < 2^24
+    units = torch.where(g == 0, 0.0, units)  # a run of zeros
+    q = torch.round(v / torch.where(units == 0, 1.0, units)[:, None])
+    # int8 reaches -128, not 128: such a run takes the unit's other sign
+    flip = (q == 128).any(dim=1)
+    units, q = torch.where(flip, -units, units), torch.where(flip[:, None], -q, q)
+    if not (bool(((q >= -128) & (q <= 127)).all()) and torch.equal(q * units[:, None], v)):
+        return None
+    L = v.shape[0] // (T * S)
+    codes = q.to(torch.int8).reshape(T, S, L, per).transpose(2, 3).reshape(tiled.shape).contiguous()
+    return codes, units.reshape(T, S, *lanes).contiguous()
+
+
+def uncoded(factors: torch.Tensor, units: torch.Tensor | None) -> torch.Tensor:
+    """`coded_factors`' inverse: float32 factors (N/16, K/b, *lanes); `factors` itself without units."""
+    if units is None:
+        return factors
+    per = factors.shape[1] // units.shape[1]
+    return factors.float() * units.repeat_interleave(per, dim=1)
 
 
 def int8_block_scales(scales: torch.Tensor) -> torch.Tensor:

@@ -364,11 +364,12 @@ class Int4WeightOnlyLinear(QuantLinear):
         """Rows `ids` (1-D; None: all) of the float weight these codes stand for, in float32; from the kernel's
         tiles where a "cpu_f32" prepare() released the canonical codes (each row's whole tile untiled)."""
         if self.qweight is None:
-            tiles, sm = self._tiles, self._scale_min_f32
+            tiles, sm, units = self._tiles, self._tile_scale_min, self._scale_min_units
             if ids is not None:
                 which, own = cpu_ext.tile_rows(ids)
-                tiles, sm = tiles[which], sm[which]
-            codes, (scales, mins) = cpu_ext.untile_nibbles(tiles), cpu_ext.untile_scale_min(sm)
+                tiles, sm, units = tiles[which], sm[which], None if units is None else units[which]
+            codes = cpu_ext.untile_nibbles(tiles)
+            scales, mins = cpu_ext.untile_scale_min(cpu_ext.uncoded(sm, units))
             if ids is not None:  # each row of its tile
                 codes, scales, mins = codes[own], scales[own], mins[own]
         else:
@@ -385,8 +386,10 @@ class Int4WeightOnlyLinear(QuantLinear):
         """The canonical codes and factors back from a "cpu_f32" kernel's tiles (`prepare` released them), for
         another kernel's layout."""
         self.qweight = pack_nibbles(cpu_ext.untile_nibbles(self._tiles))
-        self.scales, self.mins = cpu_ext.untile_scale_min(self._scale_min_f32)
-        del self._tiles, self._scale_min_f32
+        self.scales, self.mins = cpu_ext.untile_scale_min(
+            cpu_ext.uncoded(self._tile_scale_min, self._scale_min_units)
+        )
+        del self._tiles, self._tile_scale_min, self._scale_min_units
 
     def prepare(self) -> None:
         """Picks the kernel for this device, dtype and shape and builds its layout (a second copy of the codes;
@@ -456,8 +459,11 @@ class Int4WeightOnlyLinear(QuantLinear):
             self.register_buffer("_scale_min", scale_min, persistent=False)
         elif self._kernel == "cpu_f32":
             tiles, scale_min = cpu_ext.int4_tiles(self.qweight, self.scales, self.mins, torch.float32)
+            # a K type's factors as int8 codes of units a run of 256 k, where exact (`cpu_ext.coded_factors`)
+            scale_min, units = cpu_ext.coded_factors(scale_min, self.in_features) or (scale_min, None)
             self.register_buffer("_tiles", tiles, persistent=False)
-            self.register_buffer("_scale_min_f32", scale_min, persistent=False)
+            self.register_buffer("_tile_scale_min", scale_min, persistent=False)
+            self.register_buffer("_scale_min_units", units, persistent=False)
             # A checkpoint's own codes, kept for float activations: the tiles are the codes now, one copy in
             # memory, not two (`dequantize` reads them back; another scheme's prepare restores them).
             self.qweight = self.scales = self.mins = None
@@ -493,13 +499,13 @@ class Int4WeightOnlyLinear(QuantLinear):
         """What one row reads (a decode step's bytes)."""
         kinds = {
             "cpu_dot": ("_tiles", "_scale_min"),
-            "cpu_f32": ("_tiles", "_scale_min_f32"),
+            "cpu_f32": ("_tiles", "_tile_scale_min", "_scale_min_units"),
             "tinygemm": ("_packed", "_sz"),
             "mma": ("_words", "_msz"),
             "tiled": ("_words", "_tsz"),
             "triton": ("qweight", "_s16", "_z16"),
         }
-        return kinds[self._kernel]
+        return tuple(n for n in kinds[self._kernel] if getattr(self, n) is not None)
 
     def _float_weights(self, rows: int) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The float32 weights, q * scale + min from the canonical codes, scales and mins: (N, K), or below
@@ -626,7 +632,7 @@ class Int4WeightOnlyLinear(QuantLinear):
             y = y if y.dtype == x.dtype else y.to(x.dtype)
         elif self._kernel == "cpu_f32":
             y = torch.ops.ember_cpu.int4_gemv_f32(
-                float32_rows(x2), self._tiles, self._scale_min_f32, self.group_size
+                float32_rows(x2), self._tiles, self._tile_scale_min, self.group_size, self._scale_min_units
             )
             y = y if y.dtype == x.dtype else y.to(x.dtype)
         elif self._kernel == "tinygemm":
@@ -738,15 +744,22 @@ class Int8BlockLinear(QuantLinear):
         """Rows `ids` (1-D; None: all) of the float weight these codes stand for, in float32; from the kernel's
         tiles where prepare() released the canonical codes (each row's whole tile untiled)."""
         if self.qweight is None:
-            held = (self._tiles, self._high, self._scales_f32, self._mins_f32)
+            held = (
+                self._tiles,
+                self._high,
+                self._tile_scales,
+                self._scale_units,
+                self._tile_mins,
+                self._min_units,
+            )
             if ids is not None:
                 which, own = cpu_ext.tile_rows(ids)
                 held = tuple(None if t is None else t[which] for t in held)
-            tiles, high, scales, mins = held
+            tiles, high, scales, scale_units, mins, min_units = held
             codes = cpu_ext.untile_int8(tiles) if high is None else cpu_ext.untile_int5(tiles, high)
             scales, mins = (
-                cpu_ext.untile_factors(scales),
-                None if mins is None else cpu_ext.untile_factors(mins),
+                cpu_ext.untile_factors(cpu_ext.uncoded(scales, scale_units)),
+                None if mins is None else cpu_ext.untile_factors(cpu_ext.uncoded(mins, min_units)),
             )
             if ids is not None:  # each row of its tile
                 codes, scales, mins = codes[own], scales[own], None if mins is None else mins[own]
@@ -786,10 +799,13 @@ class Int8BlockLinear(QuantLinear):
                 tiles, high = cpu_ext.int8_tiles(self.qweight), None
             self.register_buffer("_tiles", tiles, persistent=False)
             self.register_buffer("_high", high, persistent=False)
-            self.register_buffer("_scales_f32", cpu_ext.int8_block_scales(self.scales), persistent=False)
-            self.register_buffer(
-                "_mins_f32", None if mins is None else cpu_ext.int8_block_scales(mins), persistent=False
-            )
+            # each as int8 codes of units a run of 256 k where exact (a K type's: `cpu_ext.coded_factors`)
+            for name, factors in (("scale", self.scales), ("min", mins)):
+                tiled = None if factors is None else cpu_ext.int8_block_scales(factors)
+                coded = None if tiled is None else cpu_ext.coded_factors(tiled, self.in_features)
+                tiled, units = coded or (tiled, None)
+                self.register_buffer(f"_tile_{name}s", tiled, persistent=False)
+                self.register_buffer(f"_{name}_units", units, persistent=False)
             # The tiles are the codes now: one copy in memory, not two (`dequantize` reads them back; 5-bit
             # codes of a row taken up by 16 give its weights exactly, as its min is 16 of its scales down).
             self.qweight = self.scales = self.mins = None
@@ -798,7 +814,7 @@ class Int8BlockLinear(QuantLinear):
 
     def _runtime_buffers(self) -> tuple[str, ...]:
         names = (
-            ("_tiles", "_high", "_scales_f32", "_mins_f32")
+            ("_tiles", "_high", "_tile_scales", "_tile_mins", "_scale_units", "_min_units")
             if self._kernel == "cpu_f32"
             else ("qweight", "scales", "mins")
         )
@@ -811,10 +827,14 @@ class Int8BlockLinear(QuantLinear):
             ops, rows = torch.ops.ember_cpu, float32_rows(x2)
             if self._high is not None:
                 y = ops.int5_gemv_f32(
-                    rows, self._tiles, self._high, self._scales_f32, self.block, self._mins_f32
-                )
+                    rows, self._tiles, self._high, self._tile_scales, self.block, self._tile_mins,
+                    self._scale_units, self._min_units,
+                )  # fmt: skip
             else:
-                y = ops.int8_gemv_f32(rows, self._tiles, self._scales_f32, self.block, self._mins_f32)
+                y = ops.int8_gemv_f32(
+                    rows, self._tiles, self._tile_scales, self.block, self._tile_mins,
+                    self._scale_units, self._min_units,
+                )  # fmt: skip
             y = y if y.dtype == x.dtype else y.to(x.dtype)
         else:
             y = F.linear(x2, self.dequantize().to(x.dtype))

@@ -150,6 +150,9 @@ inline F16x load_half(const at::Half* p) {
   return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
 }
 inline F16x load_float(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline F16x load_int8_float(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
 inline F16x fmul_scalar(F16x a, float s) { return {_mm512_mul_ps(a.v, _mm512_set1_ps(s))}; }
 inline F16x fma(F16x a, F16x b, F16x c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline F16x fmul(F16x a, F16x b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -235,6 +238,10 @@ inline F16x load_half(const at::Half* p) {
           _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
 }
 inline F16x load_float(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline F16x load_int8_float(const int8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))),
+          _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))))};
+}
 inline F16x fmul_scalar(F16x a, float s) {
   __m256 v = _mm256_set1_ps(s);
   return {_mm256_mul_ps(a.lo, v), _mm256_mul_ps(a.hi, v)};
@@ -355,6 +362,11 @@ inline F16x load_float(const float* p) {
   std::memcpy(f.v, p, sizeof(f.v));
   return f;
 }
+inline F16x load_int8_float(const int8_t* p) {
+  F16x f;
+  for (int l = 0; l < kTile; ++l) f.v[l] = static_cast<float>(p[l]);
+  return f;
+}
 inline F16x fmul_scalar(F16x a, float s) {
   for (auto& x : a.v) x *= s;
   return a;
@@ -462,12 +474,62 @@ void int4_tile(const uint8_t* w, const at::Half* sm, const int8_t* xq, const flo
   for (int r = 0; r < R; ++r) store(out + r * N, acc[r]);
 }
 
+// The float kernels' factors (scales, or mins) of a tile's blocks (or groups), 16 lanes a block, `stride` apart:
+// float32 as they are (at f), or coded (`cpu_ext.coded_factors`): an int8 a block (at q) times a float32 unit
+// for each run of `per` blocks (256 k; at unit, `stride` apart), the float32 values themselves where the units
+// and codes were found exact (a GGUF K type's f16 d times its small integer scales: 0.75 bits a weight of
+// factors, not 2). None: neither given (no mins).
+struct Factors {
+  const float* f = nullptr;
+  const int8_t* q = nullptr;
+  const float* unit = nullptr;
+  int64_t stride = kTile;
+  int shift = 0;  // blocks a unit: 1 << shift
+  bool none() const { return f == nullptr && q == nullptr; }
+  F16x at(int64_t b) const {
+    return q == nullptr ? load_float(f + b * stride)
+                        : fmul(load_float(unit + (b >> shift) * stride), load_int8_float(q + b * stride));
+  }
+  // Tile t's, of `blocks` blocks a tile.
+  Factors tile(int64_t t, int64_t blocks) const {
+    if (none()) return *this;
+    return {f ? f + t * blocks * stride : nullptr, q ? q + t * blocks * stride : nullptr,
+            unit ? unit + t * (blocks >> shift) * stride : nullptr, stride, shift};
+  }
+  // The lanes `lanes` elements on (the mins of int4's (scale, min) pairs).
+  Factors shifted(int64_t lanes) const {
+    return {f ? f + lanes : nullptr, q ? q + lanes : nullptr, unit ? unit + lanes : nullptr, stride, shift};
+  }
+};
+
+// Factors of `tiles` tiles of `blocks` blocks (of `lanes` lanes: 16, or int4's pairs' 32) from an op's operands:
+// `f` float32, or int8 codes with `units` float32 (tiles, K/256, lanes) where `units` is given.
+Factors factors_of(const at::Tensor& f, const std::optional<at::Tensor>& units, int64_t tiles, int64_t blocks,
+                   int64_t K, int64_t lanes, const char* name) {
+  if (!units) {
+    TORCH_CHECK(f.scalar_type() == at::kFloat && f.is_contiguous() && f.numel() == tiles * blocks * lanes, name, " ",
+                f.sizes(), " do not match ", tiles, " tiles of ", blocks, " blocks (float32)");
+    return {f.data_ptr<float>(), nullptr, nullptr, lanes, 0};
+  }
+  const int64_t per = K % 256 == 0 && blocks % (K / 256) == 0 ? blocks / (K / 256) : 0;
+  TORCH_CHECK(per > 0 && (per & (per - 1)) == 0, name, ": units of 256 k do not tile K = ", K, " in ", blocks,
+              " blocks of a power of two k");
+  TORCH_CHECK(f.scalar_type() == at::kChar && f.is_contiguous() && f.numel() == tiles * blocks * lanes, name, " ",
+              f.sizes(), " do not match ", tiles, " tiles of ", blocks, " blocks (int8 codes beside units)");
+  TORCH_CHECK(units->scalar_type() == at::kFloat && units->is_contiguous() &&
+                  units->numel() == tiles * (K / 256) * lanes,
+              name, " units ", units->sizes(), " do not match ", tiles, " tiles of ", K / 256, " units (float32)");
+  int shift = 0;
+  while ((int64_t{1} << shift) < per) ++shift;
+  return {nullptr, f.data_ptr<int8_t>(), units->data_ptr<float>(), lanes, shift};
+}
+
 // R float activation rows (x + r * K, their sums per group of k at xs + r * G) against one int4 tile with
 // float32 scale_min (G, 2, 16): out[r * N + l] = sum_g scale * sum_k q x + min * sum_k x, the products in
 // float32. C independent sums a row per group (C R <= 4 registers), so that one row is not one chain of FMAs.
 template <int R>
-void int4_tile_f32(const uint8_t* w, const float* sm, const float* x, const float* xs, int64_t K,
-                   int64_t group_size, float* out, int64_t N) {
+void int4_tile_f32(const uint8_t* w, const Factors& sc, const Factors& mins, const float* x, const float* xs,
+                   int64_t K, int64_t group_size, float* out, int64_t N) {
   constexpr int C = R >= 4 ? 1 : 4 / R;
   const int64_t G = K / group_size, blocks = group_size / kBlock;
   F16x acc[R];
@@ -490,7 +552,7 @@ void int4_tile_f32(const uint8_t* w, const float* sm, const float* x, const floa
         }
       }
     }
-    const F16x scale = load_float(sm + g * 2 * kTile), mn = load_float(sm + g * 2 * kTile + kTile);
+    const F16x scale = sc.at(g), mn = mins.at(g);
     for (int r = 0; r < R; ++r) {
       F16x sum = part[r][0];
       for (int c = 1; c < C; ++c) sum = fadd(sum, part[r][c]);
@@ -716,7 +778,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 // null) a float32 min: out[r * N + l] = sum_b scale_b * sum_k q x + min_b * xs_b, in float32, xs_b (at
 // xs + r * K/block) the row's sum of x over block b.
 template <int R>
-void int8_tile_f32(const uint8_t* w, const float* scales, const float* mins, const float* x, const float* xs,
+void int8_tile_f32(const uint8_t* w, const Factors& scales, const Factors& mins, const float* x, const float* xs,
                    int64_t K, int64_t block, float* out, int64_t N) {
   const int64_t B = K / block;
   constexpr int C = R >= 4 ? 1 : 4 / R;
@@ -736,14 +798,14 @@ void int8_tile_f32(const uint8_t* w, const float* scales, const float* mins, con
         }
       }
       const int64_t at = block == 16 ? 2 * b + h : b;
-      const F16x scale = load_float(scales + at * kTile);
+      const F16x scale = scales.at(at);
       for (int r = 0; r < R; ++r) {
         F16x sum = part[r][0];
         for (int c = 1; c < C; ++c) sum = fadd(sum, part[r][c]);
         acc[r] = fma(sum, scale, acc[r]);
       }
-      if (mins != nullptr && (block == 16 || h == 1)) {  // once a block
-        const F16x mn = load_float(mins + at * kTile);
+      if (!mins.none() && (block == 16 || h == 1)) {  // once a block
+        const F16x mn = mins.at(at);
         for (int r = 0; r < R; ++r) acc[r] = fma(mn, fset(xs[r * B + at]), acc[r]);
       }
     }
@@ -766,24 +828,23 @@ std::vector<float> block_sums(const float* x, int64_t M, int64_t K, int64_t bloc
 // (scale_min (N/16, K/g, 2, 16)), each group's products summed, then scaled. The float linear's values on the
 // dequantized weights but for the order of the sums: a GGUF file's 4-bit weights computed without a float
 // copy of them.
+// With `units`, scale_min holds int8 codes of the factors and units (N/16, K/256, 2, 16) their float32 units
+// (`Factors`).
 at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
-                         int64_t group_size) {
+                         int64_t group_size, const std::optional<at::Tensor>& units) {
   check_operands(x, packed, 256);
   const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
   TORCH_CHECK(group_size % kBlock == 0 && K % group_size == 0, "group size ", group_size, " does not tile K = ", K);
   const int64_t G = K / group_size;
-  TORCH_CHECK(scale_min.scalar_type() == at::kFloat && scale_min.is_contiguous() &&
-                  scale_min.numel() == tiles * G * 2 * kTile,
-              "scale_min ", scale_min.sizes(), " does not match ", tiles, " tiles of ", G, " groups (float32)");
+  const Factors sc = factors_of(scale_min, units, tiles, G, K, 2 * kTile, "scale_min"), mn = sc.shifted(kTile);
   auto out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const std::vector<float> xs = block_sums(xp, M, K, group_size);  // the min term's factors, a group each
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  const float* sp = scale_min.data_ptr<float>();
   float* op = out.data_ptr<float>();
   over_tiles(tiles, M, [&](auto R, int64_t t, int64_t m) {
-    int4_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 256, sp + t * G * 2 * kTile, xp + m * K, &xs[m * G],
-                                      K, group_size, op + m * N + t * kTile, N);
+    int4_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 256, sc.tile(t, G), mn.tile(t, G), xp + m * K,
+                                      &xs[m * G], K, group_size, op + m * N + t * kTile, N);
   });
   return out;
 }
@@ -794,8 +855,8 @@ at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
 // that one shift a run puts them beside their nibbles: quint_run), a float32 scale and (or null) min a block of
 // 16 or 32 k as int8_tile_f32 takes them.
 template <int R>
-void int5_tile_f32(const uint8_t* w, const uint8_t* high, const float* scales, const float* mins, const float* x,
-                   const float* xs, int64_t K, int64_t block, float* out, int64_t N) {
+void int5_tile_f32(const uint8_t* w, const uint8_t* high, const Factors& scales, const Factors& mins,
+                   const float* x, const float* xs, int64_t K, int64_t block, float* out, int64_t N) {
   constexpr int C = R >= 2 ? 1 : 2;
   const int64_t B = K / block;
   F16x acc[R];
@@ -817,6 +878,12 @@ void int5_tile_f32(const uint8_t* w, const uint8_t* high, const float* scales, c
         }
       }
     }
+    const int nf = block == 16 ? 2 : 1;  // factors this block of 32 k: one a block of 16 or 32
+    F16x sf[2], mf[2];
+    for (int h = 0; h < nf; ++h) {
+      sf[h] = scales.at(nf * b + h);
+      if (!mins.none()) mf[h] = mins.at(nf * b + h);
+    }
     for (int r = 0; r < R; ++r) {
       F16x sum[2];
       for (int h = 0; h < 2; ++h) {
@@ -825,49 +892,40 @@ void int5_tile_f32(const uint8_t* w, const uint8_t* high, const float* scales, c
       }
       if (block == 16) {
         for (int h = 0; h < 2; ++h) {
-          acc[r] = fma(sum[h], load_float(scales + (2 * b + h) * kTile), acc[r]);
-          if (mins != nullptr) acc[r] = fma(load_float(mins + (2 * b + h) * kTile), fset(xs[r * B + 2 * b + h]), acc[r]);
+          acc[r] = fma(sum[h], sf[h], acc[r]);
+          if (!mins.none()) acc[r] = fma(mf[h], fset(xs[r * B + 2 * b + h]), acc[r]);
         }
       } else {
-        acc[r] = fma(fadd(sum[0], sum[1]), load_float(scales + b * kTile), acc[r]);
-        if (mins != nullptr) acc[r] = fma(load_float(mins + b * kTile), fset(xs[r * B + b]), acc[r]);
+        acc[r] = fma(fadd(sum[0], sum[1]), sf[0], acc[r]);
+        if (!mins.none()) acc[r] = fma(mf[0], fset(xs[r * B + b]), acc[r]);
       }
     }
   }
   for (int r = 0; r < R; ++r) store(out + r * N, acc[r]);
 }
 
-// int8_gemv_f32's factors (scales, and mins or none): float32 (N/16, K/block, 16) for `tiles` tiles.
-void check_block_factors(const at::Tensor& scales, const std::optional<at::Tensor>& mins, int64_t tiles, int64_t K,
-                         int64_t block) {
-  TORCH_CHECK(block == 16 || block == 32, "block ", block, " is not 16 or 32");
-  for (const at::Tensor* f : {&scales, mins ? &*mins : nullptr}) {
-    if (f != nullptr)
-      TORCH_CHECK(f->scalar_type() == at::kFloat && f->is_contiguous() && f->numel() == tiles * kTile * (K / block),
-                  f == &scales ? "scales " : "mins ", f->sizes(), " do not match ", tiles, " tiles of ", K / block,
-                  " blocks (float32)");
-  }
-}
-
 // The block ops' shared run (int5_gemv_f32, int8_gemv_f32): x and the codes (bytes_per_block a tile's block
-// of 32 k) checked with the factors, the rows' block sums where mins are given, then for each tile t and run
-// of R rows m: tile(R, t, its scales, its mins or null, the rows' x, their block sums or null, their out).
+// of 32 k) checked with the factors (N/16, K/block, 16) (float32, or int8 codes with their units: `Factors`),
+// the rows' block sums where mins are given, then for each tile t and run of R rows m: tile(R, t, its scales,
+// its mins (none without), the rows' x, their block sums or null, their out).
 template <typename Tile>
 at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t bytes_per_block, const at::Tensor& scales,
-                      int64_t block, const std::optional<at::Tensor>& mins, Tile tile) {
+                      int64_t block, const std::optional<at::Tensor>& mins,
+                      const std::optional<at::Tensor>& scale_units, const std::optional<at::Tensor>& min_units,
+                      Tile tile) {
   check_operands(x, packed, bytes_per_block);
   const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
-  check_block_factors(scales, mins, tiles, K, block);
+  TORCH_CHECK(block == 16 || block == 32, "block ", block, " is not 16 or 32");
+  TORCH_CHECK(mins || !min_units, "min units without mins");
   const int64_t B = K / block;
+  const Factors sc = factors_of(scales, scale_units, tiles, B, K, kTile, "scales");
+  const Factors mn = mins ? factors_of(*mins, min_units, tiles, B, K, kTile, "mins") : Factors{};
   auto out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const std::vector<float> xs = mins ? block_sums(xp, M, K, block) : std::vector<float>();
-  const float* sp = scales.data_ptr<float>();
-  const float* mp = mins ? mins->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
   over_tiles(tiles, M, [&](auto R, int64_t t, int64_t m) {
-    tile(R, t, sp + t * B * kTile, mp ? mp + t * B * kTile : nullptr, xp + m * K, mp ? xs.data() + m * B : nullptr,
-         op + m * N + t * kTile);
+    tile(R, t, sc.tile(t, B), mn.tile(t, B), xp + m * K, mins ? xs.data() + m * B : nullptr, op + m * N + t * kTile);
   });
   return out;
 }
@@ -875,15 +933,17 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t byt
 // y = x @ w.T in float32 with 5-bit codes as they are (int5_tile_f32's layout), w = q * scale (+ min); a GGUF
 // file's Q5_0 / Q5_1 / Q5_K (and Q3_K / Q2_K / 4-bit, beside them in one projection) in 5 bits a weight.
 at::Tensor int5_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& high, const at::Tensor& scales,
-                         int64_t block, const std::optional<at::Tensor>& mins) {
+                         int64_t block, const std::optional<at::Tensor>& mins,
+                         const std::optional<at::Tensor>& scale_units, const std::optional<at::Tensor>& min_units) {
   check_operands(x, packed, 256);
   const int64_t K = x.size(1), N = packed.size(0) * kTile, KB = K / kBlock;
   TORCH_CHECK(high.scalar_type() == at::kByte && high.is_contiguous() && high.numel() == packed.size(0) * KB * 64,
               "high bits ", high.sizes(), " do not match ", packed.size(0), " tiles of K = ", K);
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint8_t* hp = high.data_ptr<uint8_t>();
-  return block_gemv(x, packed, 256, scales, block, mins,
-                    [&](auto R, int64_t t, const float* s, const float* mn, const float* xr, const float* xs, float* o) {
+  return block_gemv(x, packed, 256, scales, block, mins, scale_units, min_units,
+                    [&](auto R, int64_t t, const Factors& s, const Factors& mn, const float* xr, const float* xs,
+                        float* o) {
                       int5_tile_f32<decltype(R)::value>(wp + t * KB * 256, hp + t * KB * 64, s, mn, xr, xs, K, block, o, N);
                     });
 }
@@ -892,12 +952,14 @@ at::Tensor int5_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
 // a float32 min: w = q * scale (+ min) (scales and mins (N/16, K/block, 16)); a GGUF file's block types (Q8_0,
 // Q6_K, Q5_K, ...) without a float copy of their weights.
 at::Tensor int8_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t block,
-                         const std::optional<at::Tensor>& mins) {
+                         const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& scale_units,
+                         const std::optional<at::Tensor>& min_units) {
   check_operands(x, packed, 512);
   const int64_t K = x.size(1), N = packed.size(0) * kTile, KB = K / kBlock;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
-  return block_gemv(x, packed, 512, scales, block, mins,
-                    [&](auto R, int64_t t, const float* s, const float* mn, const float* xr, const float* xs, float* o) {
+  return block_gemv(x, packed, 512, scales, block, mins, scale_units, min_units,
+                    [&](auto R, int64_t t, const Factors& s, const Factors& mn, const float* xr, const float* xs,
+                        float* o) {
                       int8_tile_f32<decltype(R)::value>(wp + t * KB * 512, s, mn, xr, xs, K, block, o, N);
                     });
 }
@@ -1107,9 +1169,13 @@ bool amx_bf16() {
 
 EMBER_LIBRARY_FRAGMENT(EMBER_CPU_NAMESPACE, m) {
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
-  m.def("int4_gemv_f32(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
-  m.def("int8_gemv_f32(Tensor x, Tensor packed, Tensor scales, int block, Tensor? mins=None) -> Tensor");
-  m.def("int5_gemv_f32(Tensor x, Tensor packed, Tensor high, Tensor scales, int block, Tensor? mins=None) -> Tensor");
+  m.def("int4_gemv_f32(Tensor x, Tensor packed, Tensor scale_min, int group_size, Tensor? units=None) -> Tensor");
+  m.def(
+      "int8_gemv_f32(Tensor x, Tensor packed, Tensor scales, int block, Tensor? mins=None, Tensor? scale_units=None, "
+      "Tensor? min_units=None) -> Tensor");
+  m.def(
+      "int5_gemv_f32(Tensor x, Tensor packed, Tensor high, Tensor scales, int block, Tensor? mins=None, "
+      "Tensor? scale_units=None, Tensor? min_units=None) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("simd() -> str");
   m.def("int4_gemm_bf16(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
