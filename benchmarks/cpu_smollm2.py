@@ -144,10 +144,15 @@ def main() -> None:
     ap.add_argument(
         "--torch-compile", action="store_true", help="also run each scheme with torch.compile's decode step"
     )
+    ap.add_argument(
+        "--no-transformers", action="store_true", help="leave transformers out (a large model's fp32)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = args.gguf or gguf_path()
-    rows = [bench_llama_cpp(path, args.threads), bench_transformers(path)]
+    rows = [bench_llama_cpp(path, args.threads)]
+    if not args.no_transformers:
+        rows.append(bench_transformers(path))
     for q in args.ember:
         rows.append(bench_ember(path, None if q == "default" else q, compile=True))
         if args.torch_compile:
