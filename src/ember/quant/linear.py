@@ -799,13 +799,15 @@ class Int8BlockLinear(QuantLinear):
                 tiles, high = cpu_ext.int8_tiles(self.qweight), None
             self.register_buffer("_tiles", tiles, persistent=False)
             self.register_buffer("_high", high, persistent=False)
-            # each as int8 codes of units a run of 256 k where exact (a K type's: `cpu_ext.coded_factors`)
-            for name, factors in (("scale", self.scales), ("min", mins)):
-                tiled = None if factors is None else cpu_ext.int8_block_scales(factors)
-                coded = None if tiled is None else cpu_ext.coded_factors(tiled, self.in_features)
-                tiled, units = coded or (tiled, None)
-                self.register_buffer(f"_tile_{name}s", tiled, persistent=False)
-                self.register_buffer(f"_{name}_units", units, persistent=False)
+            # as int8 codes of units a run of 256 k where both scales and mins code exactly (a K type's:
+            # `cpu_ext.coded_factors`), else float32
+            tiled = [None if f is None else cpu_ext.int8_block_scales(f) for f in (self.scales, mins)]
+            coded = [None if f is None else cpu_ext.coded_factors(f, self.in_features) for f in tiled]
+            if coded[0] is None or (tiled[1] is not None and coded[1] is None):
+                coded = [None if f is None else (f, None) for f in tiled]
+            for name, pair in zip(("scale", "min"), coded, strict=True):
+                self.register_buffer(f"_tile_{name}s", None if pair is None else pair[0], persistent=False)
+                self.register_buffer(f"_{name}_units", None if pair is None else pair[1], persistent=False)
             # The tiles are the codes now: one copy in memory, not two (`dequantize` reads them back; 5-bit
             # codes of a row taken up by 16 give its weights exactly, as its min is 16 of its scales down).
             self.qweight = self.scales = self.mins = None

@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -486,9 +487,15 @@ struct Factors {
   int64_t stride = kTile;
   int shift = 0;  // blocks a unit: 1 << shift
   bool none() const { return f == nullptr && q == nullptr; }
+  bool coded() const { return q != nullptr; }
+  // kCoded: the kernels are instantiated for each (a branch here cost the float32 path 10-18%)
+  // kStride: `stride`, known when the kernel is compiled
+  template <bool kCoded, int kStride = kTile>
   F16x at(int64_t b) const {
-    return q == nullptr ? load_float(f + b * stride)
-                        : fmul(load_float(unit + (b >> shift) * stride), load_int8_float(q + b * stride));
+    if constexpr (kCoded)
+      return fmul(load_float(unit + (b >> shift) * kStride), load_int8_float(q + b * kStride));
+    else
+      return load_float(f + b * kStride);
   }
   // Tile t's, of `blocks` blocks a tile.
   Factors tile(int64_t t, int64_t blocks) const {
@@ -527,8 +534,8 @@ Factors factors_of(const at::Tensor& f, const std::optional<at::Tensor>& units, 
 // R float activation rows (x + r * K, their sums per group of k at xs + r * G) against one int4 tile with
 // float32 scale_min (G, 2, 16): out[r * N + l] = sum_g scale * sum_k q x + min * sum_k x, the products in
 // float32. C independent sums a row per group (C R <= 4 registers), so that one row is not one chain of FMAs.
-template <int R>
-void int4_tile_f32(const uint8_t* w, const Factors& sc, const Factors& mins, const float* x, const float* xs,
+template <int R, bool kCoded>
+void int4_tile_f32(const uint8_t* w, const Factors sc, const Factors mins, const float* x, const float* xs,
                    int64_t K, int64_t group_size, float* out, int64_t N) {
   constexpr int C = R >= 4 ? 1 : 4 / R;
   const int64_t G = K / group_size, blocks = group_size / kBlock;
@@ -552,7 +559,7 @@ void int4_tile_f32(const uint8_t* w, const Factors& sc, const Factors& mins, con
         }
       }
     }
-    const F16x scale = sc.at(g), mn = mins.at(g);
+    const F16x scale = sc.template at<kCoded, 2 * kTile>(g), mn = mins.template at<kCoded, 2 * kTile>(g);
     for (int r = 0; r < R; ++r) {
       F16x sum = part[r][0];
       for (int c = 1; c < C; ++c) sum = fadd(sum, part[r][c]);
@@ -777,11 +784,12 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 // scale for each block of `block` k, 16 or 32 (scales: (K/block, 16)), and with `mins` (the same layout; or
 // null) a float32 min: out[r * N + l] = sum_b scale_b * sum_k q x + min_b * xs_b, in float32, xs_b (at
 // xs + r * K/block) the row's sum of x over block b.
-template <int R>
-void int8_tile_f32(const uint8_t* w, const Factors& scales, const Factors& mins, const float* x, const float* xs,
+template <int R, bool kCoded>
+void int8_tile_f32(const uint8_t* w, const Factors scales, const Factors mins, const float* x, const float* xs,
                    int64_t K, int64_t block, float* out, int64_t N) {
   const int64_t B = K / block;
   constexpr int C = R >= 4 ? 1 : 4 / R;
+  const bool has_mins = !mins.none();
   F16x acc[R];
   for (int r = 0; r < R; ++r) acc[r] = fzero();
   for (int64_t b = 0; b < K / kBlock; ++b) {
@@ -798,14 +806,14 @@ void int8_tile_f32(const uint8_t* w, const Factors& scales, const Factors& mins,
         }
       }
       const int64_t at = block == 16 ? 2 * b + h : b;
-      const F16x scale = scales.at(at);
+      const F16x scale = scales.template at<kCoded>(at);
       for (int r = 0; r < R; ++r) {
         F16x sum = part[r][0];
         for (int c = 1; c < C; ++c) sum = fadd(sum, part[r][c]);
         acc[r] = fma(sum, scale, acc[r]);
       }
-      if (!mins.none() && (block == 16 || h == 1)) {  // once a block
-        const F16x mn = mins.at(at);
+      if (has_mins && (block == 16 || h == 1)) {  // once a block
+        const F16x mn = mins.template at<kCoded>(at);
         for (int r = 0; r < R; ++r) acc[r] = fma(mn, fset(xs[r * B + at]), acc[r]);
       }
     }
@@ -843,8 +851,13 @@ at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   over_tiles(tiles, M, [&](auto R, int64_t t, int64_t m) {
-    int4_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 256, sc.tile(t, G), mn.tile(t, G), xp + m * K,
-                                      &xs[m * G], K, group_size, op + m * N + t * kTile, N);
+    const uint8_t* w = wp + t * (K / kBlock) * 256;
+    if (sc.coded())
+      int4_tile_f32<decltype(R)::value, true>(w, sc.tile(t, G), mn.tile(t, G), xp + m * K, &xs[m * G], K,
+                                              group_size, op + m * N + t * kTile, N);
+    else
+      int4_tile_f32<decltype(R)::value, false>(w, sc.tile(t, G), mn.tile(t, G), xp + m * K, &xs[m * G], K,
+                                               group_size, op + m * N + t * kTile, N);
   });
   return out;
 }
@@ -854,8 +867,8 @@ at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
 // 64 bytes a block: each row's 32 as one int32, k = 4i + j at bit 8j + i and 16 + 4i + j at bit 8j + 4 + i, so
 // that one shift a run puts them beside their nibbles: quint_run), a float32 scale and (or null) min a block of
 // 16 or 32 k as int8_tile_f32 takes them.
-template <int R>
-void int5_tile_f32(const uint8_t* w, const uint8_t* high, const Factors& scales, const Factors& mins,
+template <int R, bool kCoded>
+void int5_tile_f32(const uint8_t* w, const uint8_t* high, const Factors scales, const Factors mins,
                    const float* x, const float* xs, int64_t K, int64_t block, float* out, int64_t N) {
   constexpr int C = R >= 2 ? 1 : 2;
   const int64_t B = K / block;
@@ -881,8 +894,8 @@ void int5_tile_f32(const uint8_t* w, const uint8_t* high, const Factors& scales,
     const int nf = block == 16 ? 2 : 1;  // factors this block of 32 k: one a block of 16 or 32
     F16x sf[2], mf[2];
     for (int h = 0; h < nf; ++h) {
-      sf[h] = scales.at(nf * b + h);
-      if (!mins.none()) mf[h] = mins.at(nf * b + h);
+      sf[h] = scales.template at<kCoded>(nf * b + h);
+      if (!mins.none()) mf[h] = mins.template at<kCoded>(nf * b + h);
     }
     for (int r = 0; r < R; ++r) {
       F16x sum[2];
@@ -916,7 +929,8 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t byt
   check_operands(x, packed, bytes_per_block);
   const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
   TORCH_CHECK(block == 16 || block == 32, "block ", block, " is not 16 or 32");
-  TORCH_CHECK(mins || !min_units, "min units without mins");
+  TORCH_CHECK(mins ? min_units.has_value() == scale_units.has_value() : !min_units,
+              "scales and mins are coded (given units) both or neither");
   const int64_t B = K / block;
   const Factors sc = factors_of(scales, scale_units, tiles, B, K, kTile, "scales");
   const Factors mn = mins ? factors_of(*mins, min_units, tiles, B, K, kTile, "mins") : Factors{};
@@ -925,7 +939,12 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t byt
   const std::vector<float> xs = mins ? block_sums(xp, M, K, block) : std::vector<float>();
   float* op = out.data_ptr<float>();
   over_tiles(tiles, M, [&](auto R, int64_t t, int64_t m) {
-    tile(R, t, sc.tile(t, B), mn.tile(t, B), xp + m * K, mins ? xs.data() + m * B : nullptr, op + m * N + t * kTile);
+    const float* xr = xp + m * K;
+    const float* xsr = mins ? xs.data() + m * B : nullptr;
+    if (sc.coded())
+      tile(R, std::true_type{}, t, sc.tile(t, B), mn.tile(t, B), xr, xsr, op + m * N + t * kTile);
+    else
+      tile(R, std::false_type{}, t, sc.tile(t, B), mn.tile(t, B), xr, xsr, op + m * N + t * kTile);
   });
   return out;
 }
@@ -942,9 +961,9 @@ at::Tensor int5_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint8_t* hp = high.data_ptr<uint8_t>();
   return block_gemv(x, packed, 256, scales, block, mins, scale_units, min_units,
-                    [&](auto R, int64_t t, const Factors& s, const Factors& mn, const float* xr, const float* xs,
-                        float* o) {
-                      int5_tile_f32<decltype(R)::value>(wp + t * KB * 256, hp + t * KB * 64, s, mn, xr, xs, K, block, o, N);
+                    [&](auto R, auto coded, int64_t t, const Factors& s, const Factors& mn, const float* xr,
+                        const float* xs, float* o) {
+                      int5_tile_f32<decltype(R)::value, decltype(coded)::value>(wp + t * KB * 256, hp + t * KB * 64, s, mn, xr, xs, K, block, o, N);
                     });
 }
 
@@ -958,9 +977,9 @@ at::Tensor int8_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
   const int64_t K = x.size(1), N = packed.size(0) * kTile, KB = K / kBlock;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   return block_gemv(x, packed, 512, scales, block, mins, scale_units, min_units,
-                    [&](auto R, int64_t t, const Factors& s, const Factors& mn, const float* xr, const float* xs,
-                        float* o) {
-                      int8_tile_f32<decltype(R)::value>(wp + t * KB * 512, s, mn, xr, xs, K, block, o, N);
+                    [&](auto R, auto coded, int64_t t, const Factors& s, const Factors& mn, const float* xr,
+                        const float* xs, float* o) {
+                      int8_tile_f32<decltype(R)::value, decltype(coded)::value>(wp + t * KB * 512, s, mn, xr, xs, K, block, o, N);
                     });
 }
 
