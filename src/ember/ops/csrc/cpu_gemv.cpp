@@ -41,7 +41,6 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -475,68 +474,64 @@ void int4_tile(const uint8_t* w, const at::Half* sm, const int8_t* xq, const flo
   for (int r = 0; r < R; ++r) store(out + r * N, acc[r]);
 }
 
-// The float kernels' factors (scales, or mins) of a tile's blocks (or groups), 16 lanes a block, `stride` apart:
-// float32 as they are (at f), or coded (`cpu_ext.coded_factors`): an int8 a block (at q) times a float32 unit
-// for each run of `per` blocks (256 k; at unit, `stride` apart), the float32 values themselves where the units
-// and codes were found exact (a GGUF K type's f16 d times its small integer scales: 0.75 bits a weight of
-// factors, not 2). None: neither given (no mins).
-struct Factors {
-  const float* f = nullptr;
+// The float kernels' factors (scales, or mins) of a tile's blocks (or groups), 16 lanes a block, kStride floats
+// apart: float32 as they are (a pointer; null: none), or `Coded` (`cpu_ext.coded_factors`): an int8 a block (at
+// q) times a float32 unit for each run of 1 << shift blocks (256 k), the float32 values themselves where the
+// units and codes were found exact (a GGUF K type's f16 d times its small integer scales: 0.75 bits a weight of
+// factors, not 2). Each kernel is instantiated for both (float32's is the loop as it was before codes: a
+// branch, or a struct for both, cost it 10-18%).
+struct Coded {
   const int8_t* q = nullptr;
   const float* unit = nullptr;
   int64_t stride = kTile;
-  int shift = 0;  // blocks a unit: 1 << shift
-  bool none() const { return f == nullptr && q == nullptr; }
-  bool coded() const { return q != nullptr; }
-  // kCoded: the kernels are instantiated for each (a branch here cost the float32 path 10-18%)
-  // kStride: `stride`, known when the kernel is compiled
-  template <bool kCoded, int kStride = kTile>
-  F16x at(int64_t b) const {
-    if constexpr (kCoded)
-      return fmul(load_float(unit + (b >> shift) * kStride), load_int8_float(q + b * kStride));
-    else
-      return load_float(f + b * kStride);
-  }
+  int shift = 0;
   // Tile t's, of `blocks` blocks a tile.
-  Factors tile(int64_t t, int64_t blocks) const {
-    if (none()) return *this;
-    return {f ? f + t * blocks * stride : nullptr, q ? q + t * blocks * stride : nullptr,
-            unit ? unit + t * (blocks >> shift) * stride : nullptr, stride, shift};
+  Coded tile(int64_t t, int64_t blocks) const {
+    if (q == nullptr) return *this;
+    return {q + t * blocks * stride, unit + t * (blocks >> shift) * stride, stride, shift};
   }
   // The lanes `lanes` elements on (the mins of int4's (scale, min) pairs).
-  Factors shifted(int64_t lanes) const {
-    return {f ? f + lanes : nullptr, q ? q + lanes : nullptr, unit ? unit + lanes : nullptr, stride, shift};
-  }
+  Coded shifted(int64_t lanes) const { return {q + lanes, unit + lanes, stride, shift}; }
 };
+template <int kStride = kTile>
+inline F16x factor_at(const float* f, int64_t b) {
+  return load_float(f + b * kStride);
+}
+template <int kStride = kTile>
+inline F16x factor_at(const Coded& c, int64_t b) {
+  return fmul(load_float(c.unit + (b >> c.shift) * kStride), load_int8_float(c.q + b * kStride));
+}
+inline bool given(const float* f) { return f != nullptr; }
+inline bool given(const Coded& c) { return c.q != nullptr; }
 
-// Factors of `tiles` tiles of `blocks` blocks (of `lanes` lanes: 16, or int4's pairs' 32) from an op's operands:
-// `f` float32, or int8 codes with `units` float32 (tiles, K/256, lanes) where `units` is given.
-Factors factors_of(const at::Tensor& f, const std::optional<at::Tensor>& units, int64_t tiles, int64_t blocks,
-                   int64_t K, int64_t lanes, const char* name) {
-  if (!units) {
-    TORCH_CHECK(f.scalar_type() == at::kFloat && f.is_contiguous() && f.numel() == tiles * blocks * lanes, name, " ",
-                f.sizes(), " do not match ", tiles, " tiles of ", blocks, " blocks (float32)");
-    return {f.data_ptr<float>(), nullptr, nullptr, lanes, 0};
-  }
+// float32 factors of `tiles` tiles of `blocks` blocks of `lanes` lanes (16, or int4's pairs' 32), checked.
+const float* float_factors(const at::Tensor& f, int64_t tiles, int64_t blocks, int64_t lanes, const char* name) {
+  TORCH_CHECK(f.scalar_type() == at::kFloat && f.is_contiguous() && f.numel() == tiles * blocks * lanes, name, " ",
+              f.sizes(), " do not match ", tiles, " tiles of ", blocks, " blocks (float32)");
+  return f.data_ptr<float>();
+}
+
+// The same factors coded: int8 codes `f` with their float32 `units` (tiles, K/256, lanes), checked.
+Coded coded_factors(const at::Tensor& f, const at::Tensor& units, int64_t tiles, int64_t blocks, int64_t K,
+                    int64_t lanes, const char* name) {
   const int64_t per = K % 256 == 0 && blocks % (K / 256) == 0 ? blocks / (K / 256) : 0;
   TORCH_CHECK(per > 0 && (per & (per - 1)) == 0, name, ": units of 256 k do not tile K = ", K, " in ", blocks,
               " blocks of a power of two k");
   TORCH_CHECK(f.scalar_type() == at::kChar && f.is_contiguous() && f.numel() == tiles * blocks * lanes, name, " ",
               f.sizes(), " do not match ", tiles, " tiles of ", blocks, " blocks (int8 codes beside units)");
-  TORCH_CHECK(units->scalar_type() == at::kFloat && units->is_contiguous() &&
-                  units->numel() == tiles * (K / 256) * lanes,
-              name, " units ", units->sizes(), " do not match ", tiles, " tiles of ", K / 256, " units (float32)");
+  TORCH_CHECK(units.scalar_type() == at::kFloat && units.is_contiguous() && units.numel() == tiles * (K / 256) * lanes,
+              name, " units ", units.sizes(), " do not match ", tiles, " tiles of ", K / 256, " units (float32)");
   int shift = 0;
   while ((int64_t{1} << shift) < per) ++shift;
-  return {nullptr, f.data_ptr<int8_t>(), units->data_ptr<float>(), lanes, shift};
+  return {f.data_ptr<int8_t>(), units.data_ptr<float>(), lanes, shift};
 }
 
 // R float activation rows (x + r * K, their sums per group of k at xs + r * G) against one int4 tile with
 // float32 scale_min (G, 2, 16): out[r * N + l] = sum_g scale * sum_k q x + min * sum_k x, the products in
 // float32. C independent sums a row per group (C R <= 4 registers), so that one row is not one chain of FMAs.
-template <int R, bool kCoded>
-void int4_tile_f32(const uint8_t* w, const Factors sc, const Factors mins, const float* x, const float* xs,
-                   int64_t K, int64_t group_size, float* out, int64_t N) {
+template <int R, typename F>
+void int4_tile_f32(const uint8_t* w, F sc, F mins, const float* x, const float* xs, int64_t K, int64_t group_size,
+                   float* out, int64_t N) {
   constexpr int C = R >= 4 ? 1 : 4 / R;
   const int64_t G = K / group_size, blocks = group_size / kBlock;
   F16x acc[R];
@@ -559,7 +554,7 @@ void int4_tile_f32(const uint8_t* w, const Factors sc, const Factors mins, const
         }
       }
     }
-    const F16x scale = sc.template at<kCoded, 2 * kTile>(g), mn = mins.template at<kCoded, 2 * kTile>(g);
+    const F16x scale = factor_at<2 * kTile>(sc, g), mn = factor_at<2 * kTile>(mins, g);
     for (int r = 0; r < R; ++r) {
       F16x sum = part[r][0];
       for (int c = 1; c < C; ++c) sum = fadd(sum, part[r][c]);
@@ -784,12 +779,11 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
 // scale for each block of `block` k, 16 or 32 (scales: (K/block, 16)), and with `mins` (the same layout; or
 // null) a float32 min: out[r * N + l] = sum_b scale_b * sum_k q x + min_b * xs_b, in float32, xs_b (at
 // xs + r * K/block) the row's sum of x over block b.
-template <int R, bool kCoded>
-void int8_tile_f32(const uint8_t* w, const Factors scales, const Factors mins, const float* x, const float* xs,
-                   int64_t K, int64_t block, float* out, int64_t N) {
+template <int R, typename F>
+void int8_tile_f32(const uint8_t* w, F scales, F mins, const float* x, const float* xs, int64_t K, int64_t block,
+                   float* out, int64_t N) {
   const int64_t B = K / block;
   constexpr int C = R >= 4 ? 1 : 4 / R;
-  const bool has_mins = !mins.none();
   F16x acc[R];
   for (int r = 0; r < R; ++r) acc[r] = fzero();
   for (int64_t b = 0; b < K / kBlock; ++b) {
@@ -806,14 +800,14 @@ void int8_tile_f32(const uint8_t* w, const Factors scales, const Factors mins, c
         }
       }
       const int64_t at = block == 16 ? 2 * b + h : b;
-      const F16x scale = scales.template at<kCoded>(at);
+      const F16x scale = factor_at(scales, at);
       for (int r = 0; r < R; ++r) {
         F16x sum = part[r][0];
         for (int c = 1; c < C; ++c) sum = fadd(sum, part[r][c]);
         acc[r] = fma(sum, scale, acc[r]);
       }
-      if (has_mins && (block == 16 || h == 1)) {  // once a block
-        const F16x mn = mins.template at<kCoded>(at);
+      if (given(mins) && (block == 16 || h == 1)) {  // once a block
+        const F16x mn = factor_at(mins, at);
         for (int r = 0; r < R; ++r) acc[r] = fma(mn, fset(xs[r * B + at]), acc[r]);
       }
     }
@@ -837,28 +831,31 @@ std::vector<float> block_sums(const float* x, int64_t M, int64_t K, int64_t bloc
 // dequantized weights but for the order of the sums: a GGUF file's 4-bit weights computed without a float
 // copy of them.
 // With `units`, scale_min holds int8 codes of the factors and units (N/16, K/256, 2, 16) their float32 units
-// (`Factors`).
+// (`Coded`).
 at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
                          int64_t group_size, const std::optional<at::Tensor>& units) {
   check_operands(x, packed, 256);
   const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
   TORCH_CHECK(group_size % kBlock == 0 && K % group_size == 0, "group size ", group_size, " does not tile K = ", K);
   const int64_t G = K / group_size;
-  const Factors sc = factors_of(scale_min, units, tiles, G, K, 2 * kTile, "scale_min"), mn = sc.shifted(kTile);
   auto out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const std::vector<float> xs = block_sums(xp, M, K, group_size);  // the min term's factors, a group each
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  over_tiles(tiles, M, [&](auto R, int64_t t, int64_t m) {
-    const uint8_t* w = wp + t * (K / kBlock) * 256;
-    if (sc.coded())
-      int4_tile_f32<decltype(R)::value, true>(w, sc.tile(t, G), mn.tile(t, G), xp + m * K, &xs[m * G], K,
-                                              group_size, op + m * N + t * kTile, N);
-    else
-      int4_tile_f32<decltype(R)::value, false>(w, sc.tile(t, G), mn.tile(t, G), xp + m * K, &xs[m * G], K,
-                                               group_size, op + m * N + t * kTile, N);
-  });
+  const auto run = [&](const auto& sc, const auto& mn) {  // the tile's scales and mins from each tile's factors
+    over_tiles(tiles, M, [&](auto R, int64_t t, int64_t m) {
+      int4_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 256, sc(t), mn(t), xp + m * K, &xs[m * G], K,
+                                        group_size, op + m * N + t * kTile, N);
+    });
+  };
+  if (units) {
+    const Coded sc = coded_factors(scale_min, *units, tiles, G, K, 2 * kTile, "scale_min"), mn = sc.shifted(kTile);
+    run([&](int64_t t) { return sc.tile(t, G); }, [&](int64_t t) { return mn.tile(t, G); });
+  } else {
+    const float* sp = float_factors(scale_min, tiles, G, 2 * kTile, "scale_min");
+    run([&](int64_t t) { return sp + t * G * 2 * kTile; }, [&](int64_t t) { return sp + t * G * 2 * kTile + kTile; });
+  }
   return out;
 }
 
@@ -867,9 +864,9 @@ at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
 // 64 bytes a block: each row's 32 as one int32, k = 4i + j at bit 8j + i and 16 + 4i + j at bit 8j + 4 + i, so
 // that one shift a run puts them beside their nibbles: quint_run), a float32 scale and (or null) min a block of
 // 16 or 32 k as int8_tile_f32 takes them.
-template <int R, bool kCoded>
-void int5_tile_f32(const uint8_t* w, const uint8_t* high, const Factors scales, const Factors mins,
-                   const float* x, const float* xs, int64_t K, int64_t block, float* out, int64_t N) {
+template <int R, typename F>
+void int5_tile_f32(const uint8_t* w, const uint8_t* high, F scales, F mins, const float* x, const float* xs, int64_t K,
+                   int64_t block, float* out, int64_t N) {
   constexpr int C = R >= 2 ? 1 : 2;
   const int64_t B = K / block;
   F16x acc[R];
@@ -894,8 +891,8 @@ void int5_tile_f32(const uint8_t* w, const uint8_t* high, const Factors scales, 
     const int nf = block == 16 ? 2 : 1;  // factors this block of 32 k: one a block of 16 or 32
     F16x sf[2], mf[2];
     for (int h = 0; h < nf; ++h) {
-      sf[h] = scales.template at<kCoded>(nf * b + h);
-      if (!mins.none()) mf[h] = mins.template at<kCoded>(nf * b + h);
+      sf[h] = factor_at(scales, nf * b + h);
+      if (given(mins)) mf[h] = factor_at(mins, nf * b + h);
     }
     for (int r = 0; r < R; ++r) {
       F16x sum[2];
@@ -906,11 +903,11 @@ void int5_tile_f32(const uint8_t* w, const uint8_t* high, const Factors scales, 
       if (block == 16) {
         for (int h = 0; h < 2; ++h) {
           acc[r] = fma(sum[h], sf[h], acc[r]);
-          if (!mins.none()) acc[r] = fma(mf[h], fset(xs[r * B + 2 * b + h]), acc[r]);
+          if (given(mins)) acc[r] = fma(mf[h], fset(xs[r * B + 2 * b + h]), acc[r]);
         }
       } else {
         acc[r] = fma(fadd(sum[0], sum[1]), sf[0], acc[r]);
-        if (!mins.none()) acc[r] = fma(mf[0], fset(xs[r * B + b]), acc[r]);
+        if (given(mins)) acc[r] = fma(mf[0], fset(xs[r * B + b]), acc[r]);
       }
     }
   }
@@ -918,7 +915,7 @@ void int5_tile_f32(const uint8_t* w, const uint8_t* high, const Factors scales, 
 }
 
 // The block ops' shared run (int5_gemv_f32, int8_gemv_f32): x and the codes (bytes_per_block a tile's block
-// of 32 k) checked with the factors (N/16, K/block, 16) (float32, or int8 codes with their units: `Factors`),
+// of 32 k) checked with the factors (N/16, K/block, 16) (float32, or int8 codes with their units: `Coded`),
 // the rows' block sums where mins are given, then for each tile t and run of R rows m: tile(R, t, its scales,
 // its mins (none without), the rows' x, their block sums or null, their out).
 template <typename Tile>
@@ -932,20 +929,24 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t byt
   TORCH_CHECK(mins ? min_units.has_value() == scale_units.has_value() : !min_units,
               "scales and mins are coded (given units) both or neither");
   const int64_t B = K / block;
-  const Factors sc = factors_of(scales, scale_units, tiles, B, K, kTile, "scales");
-  const Factors mn = mins ? factors_of(*mins, min_units, tiles, B, K, kTile, "mins") : Factors{};
   auto out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const std::vector<float> xs = mins ? block_sums(xp, M, K, block) : std::vector<float>();
   float* op = out.data_ptr<float>();
-  over_tiles(tiles, M, [&](auto R, int64_t t, int64_t m) {
-    const float* xr = xp + m * K;
-    const float* xsr = mins ? xs.data() + m * B : nullptr;
-    if (sc.coded())
-      tile(R, std::true_type{}, t, sc.tile(t, B), mn.tile(t, B), xr, xsr, op + m * N + t * kTile);
-    else
-      tile(R, std::false_type{}, t, sc.tile(t, B), mn.tile(t, B), xr, xsr, op + m * N + t * kTile);
-  });
+  const auto run = [&](const auto& sc, const auto& mn) {  // the tile's scales and mins from each tile's factors
+    over_tiles(tiles, M, [&](auto R, int64_t t, int64_t m) {
+      tile(R, t, sc(t), mn(t), xp + m * K, mins ? xs.data() + m * B : nullptr, op + m * N + t * kTile);
+    });
+  };
+  if (scale_units) {
+    const Coded sc = coded_factors(scales, *scale_units, tiles, B, K, kTile, "scales");
+    const Coded mn = mins ? coded_factors(*mins, *min_units, tiles, B, K, kTile, "mins") : Coded{};
+    run([&](int64_t t) { return sc.tile(t, B); }, [&](int64_t t) { return mn.tile(t, B); });
+  } else {
+    const float* sp = float_factors(scales, tiles, B, kTile, "scales");
+    const float* mp = mins ? float_factors(*mins, tiles, B, kTile, "mins") : nullptr;
+    run([&](int64_t t) { return sp + t * B * kTile; }, [&](int64_t t) { return mp ? mp + t * B * kTile : nullptr; });
+  }
   return out;
 }
 
@@ -961,9 +962,8 @@ at::Tensor int5_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint8_t* hp = high.data_ptr<uint8_t>();
   return block_gemv(x, packed, 256, scales, block, mins, scale_units, min_units,
-                    [&](auto R, auto coded, int64_t t, const Factors& s, const Factors& mn, const float* xr,
-                        const float* xs, float* o) {
-                      int5_tile_f32<decltype(R)::value, decltype(coded)::value>(wp + t * KB * 256, hp + t * KB * 64, s, mn, xr, xs, K, block, o, N);
+                    [&](auto R, int64_t t, auto s, auto mn, const float* xr, const float* xs, float* o) {
+                      int5_tile_f32<decltype(R)::value>(wp + t * KB * 256, hp + t * KB * 64, s, mn, xr, xs, K, block, o, N);
                     });
 }
 
@@ -977,9 +977,8 @@ at::Tensor int8_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
   const int64_t K = x.size(1), N = packed.size(0) * kTile, KB = K / kBlock;
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   return block_gemv(x, packed, 512, scales, block, mins, scale_units, min_units,
-                    [&](auto R, auto coded, int64_t t, const Factors& s, const Factors& mn, const float* xr,
-                        const float* xs, float* o) {
-                      int8_tile_f32<decltype(R)::value, decltype(coded)::value>(wp + t * KB * 512, s, mn, xr, xs, K, block, o, N);
+                    [&](auto R, int64_t t, auto s, auto mn, const float* xr, const float* xs, float* o) {
+                      int8_tile_f32<decltype(R)::value>(wp + t * KB * 512, s, mn, xr, xs, K, block, o, N);
                     });
 }
 
