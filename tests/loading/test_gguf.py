@@ -964,7 +964,7 @@ def test_a_float_load_keeps_every_k_type_and_their_mixes_as_int8_blocks(tmp_path
     """K-quant files mix types within a fused projection (a Q3_K_M file's q is Q3_K, its v Q5_K, ...): q/k/v
     of Q5_K (blocks of 32 with mins), Q6_K and Q3_K (blocks of 16, none), gate/up of Q2_K and Q5_1 are each one
     `Int8BlockLinear` of blocks of 16, its weights the dequantized file's bit for bit, computed in 5 bits a
-    weight where every part's codes fit; o of Q4_K alone stays int4 groups. Logits and greedy tokens are the
+    weight where every part's codes fit, else 6 where they do; o of Q4_K alone stays int4 groups. Logits and greedy tokens are the
     dequantized model's."""
     from ember.ops import cpu_ext
     from ember.quant.linear import Int4WeightOnlyLinear, Int8BlockLinear
@@ -991,21 +991,20 @@ def test_a_float_load_keeps_every_k_type_and_their_mixes_as_int8_blocks(tmp_path
             if proj in _FUSED:
                 assert module.block == 16, name
     assert isinstance(kept.lm_head, Int8BlockLinear) and kept.lm_head.block == 16  # the tied Q6_K embedding
-    # 5 bits a weight where every part's codes fit (Q3_K's -4..3 taken up by 16), else 8 (a Q6_K or Q8_0 part)
-    five = {
-        name: module._high is not None
-        for name, module in kept.named_modules()
-        if isinstance(module, Int8BlockLinear)
+    # 5 bits a weight where every part's codes fit (Q3_K's -4..3 taken up by 16), else 6 where they do (Q6_K's
+    # -32..31 taken up by 32), else 8 (a Q8_0 part)
+    bits = {
+        name: module._bits for name, module in kept.named_modules() if isinstance(module, Int8BlockLinear)
     }
-    assert five == {
-        "model.layers.0.self_attn.qkv_proj": False,
-        "model.layers.0.mlp.gate_up_proj": True,
-        "model.layers.0.mlp.down_proj": True,
-        "model.layers.1.self_attn.qkv_proj": True,
-        "model.layers.1.self_attn.o_proj": True,
-        "model.layers.1.mlp.gate_up_proj": False,
-        "model.layers.1.mlp.down_proj": False,
-        "lm_head": False,
+    assert bits == {
+        "model.layers.0.self_attn.qkv_proj": 6,
+        "model.layers.0.mlp.gate_up_proj": 5,
+        "model.layers.0.mlp.down_proj": 5,
+        "model.layers.1.self_attn.qkv_proj": 5,
+        "model.layers.1.self_attn.o_proj": 5,
+        "model.layers.1.mlp.gate_up_proj": 6,
+        "model.layers.1.mlp.down_proj": 8,
+        "lm_head": 6,
     }
     # factors coded as int8s of an f16 unit a run of 256 k where every part is a K type (`cpu_ext.coded_factors`),
     # float32 where a part is not (Q5_1, Q8_0) or K is narrower (down: 128)

@@ -116,6 +116,40 @@ def test_int8_gemv_f32_is_the_float_linear_on_the_blocks_weights(ops, rows, bloc
         ops.int8_gemv_f32(x, tiles, tiled, block, tiled[:, :-1].contiguous())
 
 
+@pytest.mark.parametrize("with_mins", [False, True], ids=["scales", "mins"])
+@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 9])
+def test_int6_gemv_f32_is_the_float_linear_on_the_6bit_weights(ops, rows, block, with_mins):
+    """Signed 6-bit codes (-32..31: Q6_K's) as low nibbles and two planes of high bits, a float32 scale (and min)
+    a block of 16 or 32 k: the float64 linear on q * scale (+ min) but for float32 sums; the tiles give the codes
+    back, and each code's fifth and sixth (sign) bits count."""
+    torch.manual_seed(rows + block + 1)
+    N, K = 48, 512
+    codes = torch.randint(-32, 32, (N, K), dtype=torch.int8)
+    scales = torch.rand(N, K // block) * 0.01
+    mins = -torch.rand(N, K // block) if with_mins else None
+    x = activations(rows, K)
+    want = cpu_ext.int8_f32_reference(x, codes, scales, mins)
+    packed, high = cpu_ext.int6_tiles(codes)
+    assert high.shape == (N // 16, K // 32 * 128) and torch.equal(cpu_ext.untile_int6(packed, high), codes)
+    tiled, tiled_mins = (
+        cpu_ext.int8_block_scales(scales),
+        None if mins is None else cpu_ext.int8_block_scales(mins),
+    )
+    got = ops.int6_gemv_f32(x, packed, high, tiled, block, tiled_mins)
+    assert (got - want).abs().max() <= 2e-6 * want.abs().max()
+    for wrong in (
+        codes & 15,
+        codes & 31,
+        (codes.to(torch.int16) & 63).to(torch.int8),
+    ):  # a bit dropped or unsigned
+        assert (
+            cpu_ext.int8_f32_reference(x, wrong, scales, mins) - want
+        ).abs().max() > 1e-2 * want.abs().max()
+    with pytest.raises(RuntimeError, match=r"high bits .* do not match .* \(6-bit codes\)"):
+        ops.int6_gemv_f32(x, packed, high[:, :-128].contiguous(), tiled, block, tiled_mins)
+
+
 # Integer ranges of GGUF K types' factors of a run of 256 k (the unit an f16 d or -dmin): Q4_K / Q5_K scales and
 # mins, Q6_K scales, Q3_K scales, Q2_K scales and mins
 K_CODES = {"6bit": (0, 63), "int8": (-128, 127), "q3k": (-32, 31), "4bit": (0, 15)}
@@ -159,7 +193,7 @@ def test_coded_factors_are_the_float_factors_bit_for_bit(kind, block):
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("rows", [1, 3, 9])
 def test_coded_factors_compute_what_float_factors_do(ops, rows, block, with_mins):
-    """int8, 5-bit and int4 codes with coded factors (`cpu_ext.coded_factors`) give the float32 factors' outputs
+    """int8, 6-bit, 5-bit and int4 codes with coded factors (`cpu_ext.coded_factors`) give the float32 factors' outputs
     bit for bit (each factor is the same float32 product)."""
     N, K = 48, 1024
     codes = torch.randint(0, 16, (N, K), dtype=torch.int8, generator=torch.Generator().manual_seed(rows))
@@ -174,6 +208,7 @@ def test_coded_factors_compute_what_float_factors_do(ops, rows, block, with_mins
     for op, operands in (
         (ops.int8_gemv_f32, (cpu_ext.int8_tiles(codes),)),
         (ops.int5_gemv_f32, (packed, high)),
+        (ops.int6_gemv_f32, cpu_ext.int6_tiles(codes)),
     ):
         want = op(x, *operands, tiled[0], block, tiled[1])
         got = op(x, *operands, factors[0], block, factors[1], units[0], units[1])

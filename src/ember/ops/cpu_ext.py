@@ -167,6 +167,7 @@ def load(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> str:
                 ("int8_gemv", _int8_fake),
                 ("int8_gemv_f32", _int8_blocks_fake),
                 ("int5_gemv_f32", _int5_fake),
+                ("int6_gemv_f32", _int6_fake),
                 ("decode_attention", _attention_fake),
                 ("paged_decode_attention", _attention_fake),
                 ("rope_decode_attention", _rope_attention_fake),
@@ -246,6 +247,9 @@ def _int5_fake(x, packed, high, scales, block, mins=None, scale_units=None, min_
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)
 
 
+_int6_fake = _int5_fake
+
+
 def _attention_fake(q, *args):
     return torch.empty_like(q)
 
@@ -273,18 +277,43 @@ def nibble_tiles(codes: torch.Tensor) -> torch.Tensor:
     return (c[..., 0] | (c[..., 1] << 4)).reshape(N // TILE, K // BLOCK * 256).contiguous()
 
 
-def int5_tiles(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """5-bit codes (N, K) in 0..31 -> `int5_gemv_f32`'s low nibbles (`nibble_tiles`) and fifth bits (N/16,
-    K/32 * 64) uint8: a block's 16 rows' 32 bits each as a little-endian int32, bit 8 j + i for k = 4 i + j
-    and 8 j + 4 + i for k = 16 + 4 i + j (i, j < 4)."""
+def _bit_plane(codes: torch.Tensor, bit: int) -> torch.Tensor:
+    """Bit `bit` of codes (N, K) as `int5_tiles`' plane (N/16, K/32, 64) uint8: a block's 16 rows' 32 bits each as
+    a little-endian int32, bit 8 j + i for k = 4 i + j and 8 j + 4 + i for k = 16 + 4 i + j (i, j < 4)."""
     N, K = codes.shape
-    fifth = (
-        ((codes >> 4) & 1).to(torch.int64).reshape(N // TILE, TILE, K // BLOCK, 2, 4, 4)
+    bits = (
+        ((codes >> bit) & 1).to(torch.int64).reshape(N // TILE, TILE, K // BLOCK, 2, 4, 4)
     )  # (.., half, i, j)
     half, i, j = torch.meshgrid(torch.arange(2), torch.arange(4), torch.arange(4), indexing="ij")
-    words = (fifth << (8 * j + 4 * half + i)).sum(dim=(-3, -2, -1))  # (tile, row, block)
+    words = (bits << (8 * j + 4 * half + i)).sum(dim=(-3, -2, -1))  # (tile, row, block)
     b = torch.stack([(words >> (8 * n)) & 0xFF for n in range(4)], dim=-1).to(torch.uint8)  # little-endian
-    return nibble_tiles(codes), b.transpose(1, 2).reshape(N // TILE, K // BLOCK * 64).contiguous()
+    return b.transpose(1, 2).reshape(N // TILE, K // BLOCK, 64)
+
+
+def _untile_plane(plane: torch.Tensor, N: int, K: int) -> torch.Tensor:
+    """`_bit_plane`'s inverse: the bits (N, K) as int64."""
+    words = plane.reshape(N // TILE, K // BLOCK, TILE, 4).to(torch.int64)  # (tile, block, row, byte)
+    words = (words << (8 * torch.arange(4))).sum(-1).transpose(1, 2)  # (tile, row, block)
+    half, i, j = torch.meshgrid(torch.arange(2), torch.arange(4), torch.arange(4), indexing="ij")
+    return ((words[..., None, None, None] >> (8 * j + 4 * half + i)) & 1).reshape(N, K)
+
+
+def int5_tiles(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """5-bit codes (N, K) in 0..31 -> `int5_gemv_f32`'s low nibbles (`nibble_tiles`) and fifth bits (N/16,
+    K/32 * 64) uint8 (`_bit_plane`: a block's 16 rows' 32 bits each as a little-endian int32, bit 8 j + i for
+    k = 4 i + j and 8 j + 4 + i for k = 16 + 4 i + j)."""
+    N, K = codes.shape
+    return nibble_tiles(codes), _bit_plane(codes, 4).reshape(N // TILE, K // BLOCK * 64).contiguous()
+
+
+def int6_tiles(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signed 6-bit codes (N, K) in -32..31 -> `int6_gemv_f32`'s low nibbles (`nibble_tiles`) and high bits
+    (N/16, K/32 * 128) uint8 of their two's complements in 6 bits: a block's fifth bits then its sixth, each as
+    `int5_tiles` lays out the fifth."""
+    N, K = codes.shape
+    codes = codes.to(torch.int16) & 63
+    planes = torch.cat([_bit_plane(codes, 4), _bit_plane(codes, 5)], dim=-1)
+    return nibble_tiles(codes), planes.reshape(N // TILE, K // BLOCK * 128).contiguous()
 
 
 def int8_tiles(qweight: torch.Tensor) -> torch.Tensor:
@@ -321,11 +350,17 @@ def untile_int5(packed: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     """`int5_tiles`' inverse: codes (N, K) uint8 in 0..31."""
     codes = untile_nibbles(packed)
     N, K = codes.shape
-    words = high.reshape(N // TILE, K // BLOCK, TILE, 4).to(torch.int64)  # (tile, block, row, byte)
-    words = (words << (8 * torch.arange(4))).sum(-1).transpose(1, 2)  # (tile, row, block)
-    half, i, j = torch.meshgrid(torch.arange(2), torch.arange(4), torch.arange(4), indexing="ij")
-    fifth = (words[..., None, None, None] >> (8 * j + 4 * half + i)) & 1  # (tile, row, block, half, i, j)
-    return codes | (fifth.reshape(N, K) << 4).to(torch.uint8)
+    return codes | (_untile_plane(high, N, K) << 4).to(torch.uint8)
+
+
+def untile_int6(packed: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """`int6_tiles`' inverse: codes (N, K) int8 in -32..31."""
+    codes = untile_nibbles(packed).to(torch.int16)
+    N, K = codes.shape
+    planes = high.reshape(N // TILE, K // BLOCK, 2, 64)
+    for p in range(2):
+        codes = codes | (_untile_plane(planes[:, :, p], N, K) << (4 + p)).to(torch.int16)
+    return ((codes ^ 32) - 32).to(torch.int8)
 
 
 def untile_int8(packed: torch.Tensor) -> torch.Tensor:

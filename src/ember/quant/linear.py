@@ -654,9 +654,10 @@ class Int8BlockLinear(QuantLinear):
     activations, so the module gives the dequantized weights' float linear. Not a `--quantize` scheme (nothing
     saves it); a scheme asked of a model that holds one quantizes the weights it stands for (`dequantize`).
 
-    Kernels: "cpu_f32", float32 on CPUs where Ember's CPU kernels run: codes that fit 5 bits (`five_bits`:
-    Q5_0/1, Q5_K, Q3_K, Q2_K, 4-bit) in 5 bits a weight (`cpu_ext.int5_gemv_f32`), others in 8
-    (`cpu_ext.int8_gemv_f32`); "float" elsewhere (the weights dequantized for each call)."""
+    Kernels: "cpu_f32", float32 on CPUs where Ember's CPU kernels run: codes that fit 5 bits (`narrow_codes`:
+    Q5_0/1, Q5_K, Q3_K, Q2_K, 4-bit) in 5 bits a weight (`cpu_ext.int5_gemv_f32`), 6 bits (Q6_K, and parts
+    beside it) in 6 (`cpu_ext.int6_gemv_f32`), others in 8 (`cpu_ext.int8_gemv_f32`); "float" elsewhere (the
+    weights dequantized for each call)."""
 
     scheme = "int8-blocks"
     BLOCKS = (16, 32)
@@ -756,7 +757,11 @@ class Int8BlockLinear(QuantLinear):
                 which, own = cpu_ext.tile_rows(ids)
                 held = tuple(None if t is None else t[which] for t in held)
             tiles, high, scales, scale_units, mins, min_units = held
-            codes = cpu_ext.untile_int8(tiles) if high is None else cpu_ext.untile_int5(tiles, high)
+            codes = (
+                cpu_ext.untile_int8(tiles)
+                if high is None
+                else (cpu_ext.untile_int5 if self._bits == 5 else cpu_ext.untile_int6)(tiles, high)
+            )
             scales, mins = (
                 cpu_ext.untile_factors(cpu_ext.uncoded(scales, scale_units)),
                 None if mins is None else cpu_ext.untile_factors(cpu_ext.uncoded(mins, min_units)),
@@ -771,11 +776,14 @@ class Int8BlockLinear(QuantLinear):
         w = codes.float().reshape(rows, -1, self.block) * scales[..., None]
         return (w if mins is None else w + mins[..., None]).reshape(rows, self.in_features)
 
-    def five_bits(self) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The codes as 5-bit ones (0..31) and the mins that keep the weights, or None where some row's codes
-        span more than 32 values (Q8_0, Q6_K). A row with codes below 0 (Q5_0, Q3_K: within -16..15) is taken
-        up by 16 and its min down by 16 of its scales (exact for those types, which have no min)."""
+    def narrow_codes(self, bits: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The codes as `bits`-bit ones and the mins that keep the weights, or None where some row's codes do not
+        fit. 5 bits: unsigned (0..31; not Q8_0, Q6_K), a row with codes below 0 (Q5_0, Q3_K: within -16..15)
+        taken up by 16 and its min down by 16 of its scales (exact for those types, which have no min). 6 bits:
+        signed, -32..31 as they are (every type but Q8_0)."""
         low, high = self.qweight.amin(dim=1), self.qweight.amax(dim=1)
+        if bits == 6:
+            return (self.qweight, self.mins) if bool(low.min() >= -32) and bool(high.max() <= 31) else None
         up = torch.where(low < 0, 16, 0).to(torch.int16)
         if bool((low + up < 0).any()) or bool((high + up > 31).any()):
             return None
@@ -791,10 +799,15 @@ class Int8BlockLinear(QuantLinear):
         cpu = self.qweight.device.type == "cpu" and self.dtype == torch.float32
         if cpu and cpu_ext.fits(self.out_features, self.in_features) and cpu_ext.available():
             self._kernel = "cpu_f32"
-            mins = self.mins
-            if (five := self.five_bits()) is not None:  # 5 bits a weight where the codes fit, else 8
-                codes, mins = five
-                tiles, high = cpu_ext.int5_tiles(codes)
+            mins, self._bits = self.mins, 8
+            for bits, tiling in (
+                (5, cpu_ext.int5_tiles),
+                (6, cpu_ext.int6_tiles),
+            ):  # the fewest bits that fit
+                if (narrow := self.narrow_codes(bits)) is not None:
+                    (codes, mins), self._bits = narrow, bits
+                    tiles, high = tiling(codes)
+                    break
             else:
                 tiles, high = cpu_ext.int8_tiles(self.qweight), None
             self.register_buffer("_tiles", tiles, persistent=False)
@@ -808,8 +821,8 @@ class Int8BlockLinear(QuantLinear):
             for name, pair in zip(("scale", "min"), coded, strict=True):
                 self.register_buffer(f"_tile_{name}s", None if pair is None else pair[0], persistent=False)
                 self.register_buffer(f"_{name}_units", None if pair is None else pair[1], persistent=False)
-            # The tiles are the codes now: one copy in memory, not two (`dequantize` reads them back; 5-bit
-            # codes of a row taken up by 16 give its weights exactly, as its min is 16 of its scales down).
+            # The tiles are the codes now: one copy in memory, not two (`dequantize` reads them back; 5-bit codes
+            # of a row taken up by 16 give its weights exactly, as its min is 16 of its scales down).
             self.qweight = self.scales = self.mins = None
         else:
             self._kernel = "float"
@@ -828,7 +841,8 @@ class Int8BlockLinear(QuantLinear):
         if self._kernel == "cpu_f32":
             ops, rows = torch.ops.ember_cpu, float32_rows(x2)
             if self._high is not None:
-                y = ops.int5_gemv_f32(
+                op = ops.int5_gemv_f32 if self._bits == 5 else ops.int6_gemv_f32
+                y = op(
                     rows, self._tiles, self._high, self._tile_scales, self.block, self._tile_mins,
                     self._scale_units, self._min_units,
                 )  # fmt: skip

@@ -141,6 +141,20 @@ inline F16x quint_float(const QuintRun& q, int j, int half) {
   const __m512 high = _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
   return {_mm512_permutex2var_ps(low, _mm512_srli_epi32(half ? q.hi : q.lo, 8 * j), high)};
 }
+// Run i of a block of 6-bit codes (int6_tile_f32's layout: the fifth bits h, the sixth h6 laid out alike): the
+// quint run's words with the sixth bits moved to bit 8j + 5 by one shift and put in place by one select.
+inline QuintRun hex_run(__m512i v, __m512i h, __m512i h6, int i) {
+  const QuintRun q = quint_run(v, h, i);
+  const __m512i at5 = _mm512_set1_epi32(0x20202020);
+  const __m512i high = i <= 1 ? _mm512_slli_epi32(h6, 1 - i) : _mm512_srli_epi32(h6, i - 1);
+  return {_mm512_ternarylogic_epi32(q.lo, _mm512_slli_epi32(h6, 5 - i), at5, 0xD8),
+          _mm512_ternarylogic_epi32(q.hi, high, at5, 0xD8)};
+}
+// Code j of the run's lo (half 0) or hi (half 1) 6-bit codes as a float, a signed one (-32..31, two's
+// complement in 6 bits): shifted up to the lane's top and back, its sign extended.
+inline F16x hex_float(const QuintRun& q, int j, int half) {
+  return {_mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(half ? q.hi : q.lo, 26 - 8 * j), 26))};
+}
 inline I16 iadd(I16 a, I16 b) { return {_mm512_add_epi32(a.v, b.v)}; }
 inline I16 isub_scalar(I16 a, int32_t s) { return {_mm512_sub_epi32(a.v, _mm512_set1_epi32(s))}; }
 inline F16x fzero() { return {_mm512_setzero_ps()}; }
@@ -224,6 +238,21 @@ inline F16x quint_float(const QuintRun& q, int j, int half) {
   const int shift = 8 * j + 4 * half, hbit = shift + q.i;
   return {_mm256_cvtepi32_ps(quint_256(q.v.lo, q.h.lo, shift, hbit)),
           _mm256_cvtepi32_ps(quint_256(q.v.hi, q.h.hi, shift, hbit))};
+}
+struct HexRun {
+  W64 v, h, h6;
+  int i;
+};
+inline HexRun hex_run(W64 v, W64 h, W64 h6, int i) { return {v, h, h6, i}; }
+inline __m256i hex_256(__m256i v, __m256i h, __m256i h6, int shift, int hbit) {
+  const __m256i sixth = _mm256_and_si256(_mm256_srli_epi32(h6, hbit), _mm256_set1_epi32(1));
+  const __m256i code = _mm256_or_si256(quint_256(v, h, shift, hbit), _mm256_slli_epi32(sixth, 5));
+  return _mm256_srai_epi32(_mm256_slli_epi32(code, 26), 26);  // signed: -32..31
+}
+inline F16x hex_float(const HexRun& q, int j, int half) {
+  const int shift = 8 * j + 4 * half, hbit = shift + q.i;
+  return {_mm256_cvtepi32_ps(hex_256(q.v.lo, q.h.lo, q.h6.lo, shift, hbit)),
+          _mm256_cvtepi32_ps(hex_256(q.v.hi, q.h.hi, q.h6.hi, shift, hbit))};
 }
 inline I16 iadd(I16 a, I16 b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
 inline I16 isub_scalar(I16 a, int32_t s) {
@@ -330,6 +359,24 @@ inline F16x quint_float(const QuintRun& q, int j, int half) {
     std::memcpy(&lane, q.v.b + 4 * l, 4);
     std::memcpy(&high, q.h.b + 4 * l, 4);
     f.v[l] = static_cast<float>(((lane >> shift) & 0xF) | (((high >> hbit) & 1) << 4));
+  }
+  return f;
+}
+struct HexRun {
+  W64 v, h, h6;
+  int i;
+};
+inline HexRun hex_run(const W64& v, const W64& h, const W64& h6, int i) { return {v, h, h6, i}; }
+inline F16x hex_float(const HexRun& q, int j, int half) {
+  const int shift = 8 * j + 4 * half, hbit = shift + q.i;
+  F16x f;
+  for (int l = 0; l < kTile; ++l) {
+    uint32_t lane, high, high6;
+    std::memcpy(&lane, q.v.b + 4 * l, 4);
+    std::memcpy(&high, q.h.b + 4 * l, 4);
+    std::memcpy(&high6, q.h6.b + 4 * l, 4);
+    const int32_t code = ((lane >> shift) & 0xF) | (((high >> hbit) & 1) << 4) | (((high6 >> hbit) & 1) << 5);
+    f.v[l] = static_cast<float>(code >= 32 ? code - 64 : code);  // signed: -32..31
   }
   return f;
 }
@@ -888,11 +935,52 @@ void int5_tile_f32(const uint8_t* w, const uint8_t* high, F scales, F mins, cons
         }
       }
     }
-    const int nf = block == 16 ? 2 : 1;  // factors this block of 32 k: one a block of 16 or 32
-    F16x sf[2], mf[2];
-    for (int h = 0; h < nf; ++h) {
-      sf[h] = factor_at(scales, nf * b + h);
-      if (given(mins)) mf[h] = factor_at(mins, nf * b + h);
+    for (int r = 0; r < R; ++r) {
+      F16x sum[2];
+      for (int h = 0; h < 2; ++h) {
+        sum[h] = part[r][h][0];
+        for (int c = 1; c < C; ++c) sum[h] = fadd(sum[h], part[r][h][c]);
+      }
+      if (block == 16) {
+        for (int h = 0; h < 2; ++h) {
+          acc[r] = fma(sum[h], factor_at(scales, 2 * b + h), acc[r]);
+          if (given(mins)) acc[r] = fma(factor_at(mins, 2 * b + h), fset(xs[r * B + 2 * b + h]), acc[r]);
+        }
+      } else {
+        acc[r] = fma(fadd(sum[0], sum[1]), factor_at(scales, b), acc[r]);
+        if (given(mins)) acc[r] = fma(factor_at(mins, b), fset(xs[r * B + b]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store(out + r * N, acc[r]);
+}
+
+// int5_tile_f32 for signed 6-bit codes (-32..31, in 6 bits' two's complement): the fifth bits' plane then the
+// sixth's, 128 bytes a block (int6_tiles).
+// Its own copy: one kernel for both, the 5-bit one took 1.3x as long.
+template <int R, typename F>
+void int6_tile_f32(const uint8_t* w, const uint8_t* high, F scales, F mins, const float* x, const float* xs, int64_t K,
+                   int64_t block, float* out, int64_t N) {
+  constexpr int C = R >= 2 ? 1 : 2;
+  const int64_t B = K / block;
+  F16x acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = fzero();
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    F16x part[R][2][C];  // k 0..15 (the low nibbles) and 16..31 (the high ones) apart, for blocks of 16
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h)
+        for (int c = 0; c < C; ++c) part[r][h][c] = fzero();
+    const auto hv = load64(high + b * 128), h6 = load64(high + b * 128 + 64);
+    for (int i = 0; i < 4; ++i) {
+      const auto q = hex_run(load64(w + b * 256 + 64 * i), hv, h6, i);
+      for (int j = 0; j < 4; ++j) {  // k = 4i + j and 16 + 4i + j
+        const F16x ql = hex_float(q, j, 0), qh = hex_float(q, j, 1);
+        for (int r = 0; r < R; ++r) {
+          const float* xb = x + r * K + b * kBlock + 4 * i + j;
+          part[r][0][j % C] = fma(ql, fset(xb[0]), part[r][0][j % C]);
+          part[r][1][j % C] = fma(qh, fset(xb[16]), part[r][1][j % C]);
+        }
+      }
     }
     for (int r = 0; r < R; ++r) {
       F16x sum[2];
@@ -902,12 +990,12 @@ void int5_tile_f32(const uint8_t* w, const uint8_t* high, F scales, F mins, cons
       }
       if (block == 16) {
         for (int h = 0; h < 2; ++h) {
-          acc[r] = fma(sum[h], sf[h], acc[r]);
-          if (given(mins)) acc[r] = fma(mf[h], fset(xs[r * B + 2 * b + h]), acc[r]);
+          acc[r] = fma(sum[h], factor_at(scales, 2 * b + h), acc[r]);
+          if (given(mins)) acc[r] = fma(factor_at(mins, 2 * b + h), fset(xs[r * B + 2 * b + h]), acc[r]);
         }
       } else {
-        acc[r] = fma(fadd(sum[0], sum[1]), sf[0], acc[r]);
-        if (given(mins)) acc[r] = fma(mf[0], fset(xs[r * B + b]), acc[r]);
+        acc[r] = fma(fadd(sum[0], sum[1]), factor_at(scales, b), acc[r]);
+        if (given(mins)) acc[r] = fma(factor_at(mins, b), fset(xs[r * B + b]), acc[r]);
       }
     }
   }
@@ -952,19 +1040,41 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t byt
 
 // y = x @ w.T in float32 with 5-bit codes as they are (int5_tile_f32's layout), w = q * scale (+ min); a GGUF
 // file's Q5_0 / Q5_1 / Q5_K (and Q3_K / Q2_K / 4-bit, beside them in one projection) in 5 bits a weight.
-at::Tensor int5_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& high, const at::Tensor& scales,
-                         int64_t block, const std::optional<at::Tensor>& mins,
-                         const std::optional<at::Tensor>& scale_units, const std::optional<at::Tensor>& min_units) {
+template <int kBits>
+at::Tensor high_bits_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& high,
+                              const at::Tensor& scales, int64_t block, const std::optional<at::Tensor>& mins,
+                              const std::optional<at::Tensor>& scale_units,
+                              const std::optional<at::Tensor>& min_units) {
   check_operands(x, packed, 256);
+  constexpr int64_t kHigh = 64 * (kBits - 4);
   const int64_t K = x.size(1), N = packed.size(0) * kTile, KB = K / kBlock;
-  TORCH_CHECK(high.scalar_type() == at::kByte && high.is_contiguous() && high.numel() == packed.size(0) * KB * 64,
-              "high bits ", high.sizes(), " do not match ", packed.size(0), " tiles of K = ", K);
+  TORCH_CHECK(high.scalar_type() == at::kByte && high.is_contiguous() && high.numel() == packed.size(0) * KB * kHigh,
+              "high bits ", high.sizes(), " do not match ", packed.size(0), " tiles of K = ", K, " (", kBits, "-bit codes)");
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint8_t* hp = high.data_ptr<uint8_t>();
   return block_gemv(x, packed, 256, scales, block, mins, scale_units, min_units,
                     [&](auto R, int64_t t, auto s, auto mn, const float* xr, const float* xs, float* o) {
-                      int5_tile_f32<decltype(R)::value>(wp + t * KB * 256, hp + t * KB * 64, s, mn, xr, xs, K, block, o, N);
+                      if constexpr (kBits == 5)
+                        int5_tile_f32<decltype(R)::value>(wp + t * KB * 256, hp + t * KB * kHigh, s, mn, xr, xs, K,
+                                                          block, o, N);
+                      else
+                        int6_tile_f32<decltype(R)::value>(wp + t * KB * 256, hp + t * KB * kHigh, s, mn, xr, xs, K,
+                                                          block, o, N);
                     });
+}
+
+at::Tensor int5_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& high, const at::Tensor& scales,
+                         int64_t block, const std::optional<at::Tensor>& mins,
+                         const std::optional<at::Tensor>& scale_units, const std::optional<at::Tensor>& min_units) {
+  return high_bits_gemv_f32<5>(x, packed, high, scales, block, mins, scale_units, min_units);
+}
+
+// The same with signed 6-bit codes (-32..31: Q6_K's, and the narrower types' beside them) as int6_tiles lays
+// them out, 6 bits a weight.
+at::Tensor int6_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& high, const at::Tensor& scales,
+                         int64_t block, const std::optional<at::Tensor>& mins,
+                         const std::optional<at::Tensor>& scale_units, const std::optional<at::Tensor>& min_units) {
+  return high_bits_gemv_f32<6>(x, packed, high, scales, block, mins, scale_units, min_units);
 }
 
 // y = x @ w.T in float32 with int8 weights as they are, a float32 scale a block of 16 or 32 k and, given mins,
@@ -1194,6 +1304,9 @@ EMBER_LIBRARY_FRAGMENT(EMBER_CPU_NAMESPACE, m) {
   m.def(
       "int5_gemv_f32(Tensor x, Tensor packed, Tensor high, Tensor scales, int block, Tensor? mins=None, "
       "Tensor? scale_units=None, Tensor? min_units=None) -> Tensor");
+  m.def(
+      "int6_gemv_f32(Tensor x, Tensor packed, Tensor high, Tensor scales, int block, Tensor? mins=None, "
+      "Tensor? scale_units=None, Tensor? min_units=None) -> Tensor");
   m.def("int8_gemv(Tensor x, Tensor packed, Tensor scales) -> Tensor");
   m.def("simd() -> str");
   m.def("int4_gemm_bf16(Tensor x, Tensor packed, Tensor scale_min, int group_size) -> Tensor");
@@ -1206,6 +1319,7 @@ EMBER_LIBRARY_IMPL(EMBER_CPU_NAMESPACE, CPU, m) {
   m.impl("int4_gemv_f32", &int4_gemv_f32);
   m.impl("int8_gemv_f32", &int8_gemv_f32);
   m.impl("int5_gemv_f32", &int5_gemv_f32);
+  m.impl("int6_gemv_f32", &int6_gemv_f32);
   m.impl("int8_gemv", &int8_gemv);
 #if defined(EMBER_AMX_BF16)
   m.impl("int4_gemm_bf16", &int4_gemm_bf16);
