@@ -1024,6 +1024,13 @@ def test_a_float_load_keeps_every_k_type_and_their_mixes_as_int8_blocks(tmp_path
         "model.layers.1.mlp.down_proj": False,
         "lm_head": True,
     }
+    # the rest as float16 where that holds every part's factors (Q5_1's, Q8_0's f16s), else float32 (Q2_K's)
+    dtypes = {name: kept.get_submodule(name)._tile_scales.dtype for name, on in coded.items() if not on}
+    assert dtypes == {
+        "model.layers.0.mlp.gate_up_proj": torch.float32,
+        "model.layers.0.mlp.down_proj": torch.float16,
+        "model.layers.1.mlp.down_proj": torch.float16,
+    }
     tokens = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 4]])
     got, want = _prompt_logits(kept, tokens), _prompt_logits(whole, tokens)
     # Random K blocks make weights up to ~20 (logits in the hundreds): float32 sums in another order differ by

@@ -108,11 +108,11 @@ def test_int8_gemv_f32_is_the_float_linear_on_the_blocks_weights(ops, rows, bloc
         without = cpu_ext.int8_f32_reference(x, codes, scales)
         assert (without - want).abs().max() > 1e-2 * want.abs().max()
     # the other block size's reading of the same scales would be far off: the test tells them apart
-    with pytest.raises(RuntimeError, match=r"scales .* \(float32\)"):
+    with pytest.raises(RuntimeError, match=r"scales .* \(float32 or float16\)"):
         ops.int8_gemv_f32(x, tiles, cpu_ext.int8_block_scales(scales), 48 - block)
-    with pytest.raises(RuntimeError, match=r"scales .* \(float32\)"):
-        ops.int8_gemv_f32(x, tiles, scales.half(), block)
-    with pytest.raises(RuntimeError, match=r"mins .* \(float32\)"):
+    with pytest.raises(RuntimeError, match=r"scales .* \(float32 or float16\)"):
+        ops.int8_gemv_f32(x, tiles, scales.double(), block)
+    with pytest.raises(RuntimeError, match=r"mins .* \(float32 or float16\)"):
         ops.int8_gemv_f32(x, tiles, tiled, block, tiled[:, :-1].contiguous())
 
 
@@ -184,9 +184,19 @@ def test_coded_factors_are_the_float_factors_bit_for_bit(kind, block):
     pairs = cpu_ext.int4_tiles(torch.zeros(N, K // 2, dtype=torch.uint8), scales, -scales, torch.float32)[1]
     codes, units = cpu_ext.coded_factors(pairs, K)
     assert torch.equal(cpu_ext.uncoded(codes, units), pairs) and units.shape == (N // 16, K // 256, 2, 16)
-    per_block = torch.randn(N, K // block).half().float()  # Q8_0: an unrelated f16 a block
-    assert cpu_ext.coded_factors(cpu_ext.int8_block_scales(per_block), K) is None
+    per_block = cpu_ext.int8_block_scales(torch.randn(N, K // block).half().float())  # Q8_0: an f16 a block
+    assert cpu_ext.coded_factors(per_block, K) is None
     assert cpu_ext.coded_factors(cpu_ext.int8_block_scales(scales[:, : 640 // block]), 640) is None
+    # compact_factors: coded where all code, else float16 where that holds them all, else float32 as they are
+    ((codes, units), none) = cpu_ext.compact_factors([tiled, None], K)
+    assert codes.dtype == torch.int8 and units is not None and none is None
+    (half, units), (half_mins, _) = cpu_ext.compact_factors([per_block, -per_block], K)
+    assert half.dtype == half_mins.dtype == torch.float16 and units is None
+    assert torch.equal(cpu_ext.uncoded(half, None), per_block)
+    finer = per_block * (1 + 1e-4)  # past float16's precision
+    assert all(f.dtype == torch.float32 for f, _ in cpu_ext.compact_factors([per_block, finer], K))
+    (a, _), (b, _) = cpu_ext.compact_factors([tiled, per_block], K)  # one form for both: not coded
+    assert a.dtype == b.dtype != torch.int8
 
 
 @pytest.mark.parametrize("with_mins", [False, True], ids=["scales", "mins"])
@@ -194,7 +204,7 @@ def test_coded_factors_are_the_float_factors_bit_for_bit(kind, block):
 @pytest.mark.parametrize("rows", [1, 3, 9])
 def test_coded_factors_compute_what_float_factors_do(ops, rows, block, with_mins):
     """int8, 6-bit, 5-bit and int4 codes with coded factors (`cpu_ext.coded_factors`) give the float32 factors' outputs
-    bit for bit (each factor is the same float32 product)."""
+    bit for bit (each factor is the same float32 product), and so do float16 factors where they hold them."""
     N, K = 48, 1024
     codes = torch.randint(0, 16, (N, K), dtype=torch.int8, generator=torch.Generator().manual_seed(rows))
     scales = k_factors(N, K // block, K_CODES["6bit"], 256 // block, seed=rows)
@@ -213,6 +223,12 @@ def test_coded_factors_compute_what_float_factors_do(ops, rows, block, with_mins
         want = op(x, *operands, tiled[0], block, tiled[1])
         got = op(x, *operands, factors[0], block, factors[1], units[0], units[1])
         assert torch.equal(got, want)
+        # float16 factors (a Q8_0's f16 d a block) against the same as float32
+        halves = [None if f is None else (f / 64).half() for f in tiled]
+        floats = [None if f is None else f.float() for f in halves]
+        assert torch.equal(
+            op(x, *operands, halves[0], block, halves[1]), op(x, *operands, floats[0], block, floats[1])
+        )
     if block == 32 and with_mins:
         qweight = pack_nibbles(codes.to(torch.uint8))
         tiles, pairs = cpu_ext.int4_tiles(qweight, scales, mins, torch.float32)
@@ -404,8 +420,8 @@ def test_bad_operands_are_refused(ops):
         ops.int4_gemv(torch.zeros(1, 96), tiles, scale_min, 32)
     with pytest.raises(RuntimeError, match="float32"):
         ops.int4_gemv(torch.zeros(1, 64, dtype=torch.bfloat16), tiles, scale_min, 32)
-    with pytest.raises(RuntimeError, match=r"scale_min .* \(float32\)"):
-        ops.int4_gemv_f32(torch.zeros(1, 64), tiles, scale_min, 32)  # float16 factors
+    with pytest.raises(RuntimeError, match=r"scale_min .* \(float32 or float16\)"):
+        ops.int4_gemv_f32(torch.zeros(1, 64), tiles, scale_min.double(), 32)
     tiles, scale_min = cpu_ext.int4_tiles(
         torch.zeros(16, 32, dtype=torch.uint8), torch.ones(16, 2), torch.zeros(16, 2), torch.float32
     )

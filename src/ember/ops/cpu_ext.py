@@ -418,10 +418,27 @@ def coded_factors(tiled: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tens
     return codes, units.reshape(T, S, *lanes).contiguous()
 
 
+def compact_factors(
+    factors: list[torch.Tensor | None], K: int
+) -> list[tuple[torch.Tensor, torch.Tensor | None] | None]:
+    """A float kernel's float32 factors (scales, and mins or None: one form for both) in the fewest bytes that
+    hold them exactly, each as (factors, units or None): int8 codes of units (`coded_factors`; a K type's), else
+    float16 (a Q8_0's or Q4_1's f16 d and m), else float32 as they are."""
+    given = [f for f in factors if f is not None]
+    coded = [coded_factors(f, K) for f in given]
+    if all(c is not None for c in coded):
+        compact = iter(coded)
+    elif all(torch.equal(f.half().float(), f) for f in given):
+        compact = iter((f.half(), None) for f in given)
+    else:
+        compact = iter((f, None) for f in given)
+    return [None if f is None else next(compact) for f in factors]
+
+
 def uncoded(factors: torch.Tensor, units: torch.Tensor | None) -> torch.Tensor:
-    """`coded_factors`' inverse: float32 factors (N/16, K/b, *lanes); `factors` itself without units."""
+    """`compact_factors`' inverse: float32 factors (N/16, K/b, *lanes)."""
     if units is None:
-        return factors
+        return factors.float()
     per = factors.shape[1] // units.shape[1]
     return factors.float() * units.repeat_interleave(per, dim=1)
 

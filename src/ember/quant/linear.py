@@ -459,8 +459,9 @@ class Int4WeightOnlyLinear(QuantLinear):
             self.register_buffer("_scale_min", scale_min, persistent=False)
         elif self._kernel == "cpu_f32":
             tiles, scale_min = cpu_ext.int4_tiles(self.qweight, self.scales, self.mins, torch.float32)
-            # a K type's factors as int8 codes of units a run of 256 k, where exact (`cpu_ext.coded_factors`)
-            scale_min, units = cpu_ext.coded_factors(scale_min, self.in_features) or (scale_min, None)
+            # in the fewest bytes that hold them exactly: a K type's as int8 codes of units a run of 256 k, f16s
+            # as float16 (`cpu_ext.compact_factors`)
+            ((scale_min, units),) = cpu_ext.compact_factors([scale_min], self.in_features)
             self.register_buffer("_tiles", tiles, persistent=False)
             self.register_buffer("_tile_scale_min", scale_min, persistent=False)
             self.register_buffer("_scale_min_units", units, persistent=False)
@@ -812,13 +813,11 @@ class Int8BlockLinear(QuantLinear):
                 tiles, high = cpu_ext.int8_tiles(self.qweight), None
             self.register_buffer("_tiles", tiles, persistent=False)
             self.register_buffer("_high", high, persistent=False)
-            # as int8 codes of units a run of 256 k where both scales and mins code exactly (a K type's:
-            # `cpu_ext.coded_factors`), else float32
+            # in the fewest bytes that hold them exactly (a K type's as int8 codes of units a run of 256 k, f16s
+            # as float16: `cpu_ext.compact_factors`), one form for both
             tiled = [None if f is None else cpu_ext.int8_block_scales(f) for f in (self.scales, mins)]
-            coded = [None if f is None else cpu_ext.coded_factors(f, self.in_features) for f in tiled]
-            if coded[0] is None or (tiled[1] is not None and coded[1] is None):
-                coded = [None if f is None else (f, None) for f in tiled]
-            for name, pair in zip(("scale", "min"), coded, strict=True):
+            compact = cpu_ext.compact_factors(tiled, self.in_features)
+            for name, pair in zip(("scale", "min"), compact, strict=True):
                 self.register_buffer(f"_tile_{name}s", None if pair is None else pair[0], persistent=False)
                 self.register_buffer(f"_{name}_units", None if pair is None else pair[1], persistent=False)
             # The tiles are the codes now: one copy in memory, not two (`dequantize` reads them back; 5-bit codes

@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -545,17 +546,25 @@ inline F16x factor_at(const float* f, int64_t b) {
   return load_float(f + b * kStride);
 }
 template <int kStride = kTile>
+inline F16x factor_at(const at::Half* f, int64_t b) {
+  return load_half(f + b * kStride);
+}
+template <int kStride = kTile>
 inline F16x factor_at(const Coded& c, int64_t b) {
   return fmul(load_float(c.unit + (b >> c.shift) * kStride), load_int8_float(c.q + b * kStride));
 }
 inline bool given(const float* f) { return f != nullptr; }
+inline bool given(const at::Half* f) { return f != nullptr; }
 inline bool given(const Coded& c) { return c.q != nullptr; }
 
-// float32 factors of `tiles` tiles of `blocks` blocks of `lanes` lanes (16, or int4's pairs' 32), checked.
-const float* float_factors(const at::Tensor& f, int64_t tiles, int64_t blocks, int64_t lanes, const char* name) {
-  TORCH_CHECK(f.scalar_type() == at::kFloat && f.is_contiguous() && f.numel() == tiles * blocks * lanes, name, " ",
-              f.sizes(), " do not match ", tiles, " tiles of ", blocks, " blocks (float32)");
-  return f.data_ptr<float>();
+// float32 (T float) or float16 (T at::Half) factors of `tiles` tiles of `blocks` blocks of `lanes` lanes (16, or
+// int4's pairs' 32), checked; float16 where they hold the factors exactly (a GGUF Q8_0's, Q4_1's f16 d and m).
+template <typename T>
+const T* float_factors(const at::Tensor& f, int64_t tiles, int64_t blocks, int64_t lanes, const char* name) {
+  TORCH_CHECK((f.scalar_type() == at::kFloat || f.scalar_type() == at::kHalf) && f.is_contiguous() &&
+                  f.numel() == tiles * blocks * lanes,
+              name, " ", f.sizes(), " do not match ", tiles, " tiles of ", blocks, " blocks (float32 or float16)");
+  return f.data_ptr<T>();
 }
 
 // The same factors coded: int8 codes `f` with their float32 `units` (tiles, K/256, lanes), checked.
@@ -900,8 +909,14 @@ at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
     const Coded sc = coded_factors(scale_min, *units, tiles, G, K, 2 * kTile, "scale_min"), mn = sc.shifted(kTile);
     run([&](int64_t t) { return sc.tile(t, G); }, [&](int64_t t) { return mn.tile(t, G); });
   } else {
-    const float* sp = float_factors(scale_min, tiles, G, 2 * kTile, "scale_min");
-    run([&](int64_t t) { return sp + t * G * 2 * kTile; }, [&](int64_t t) { return sp + t * G * 2 * kTile + kTile; });
+    const auto floats = [&](auto* type) {
+      const auto* sp = float_factors<std::remove_pointer_t<decltype(type)>>(scale_min, tiles, G, 2 * kTile, "scale_min");
+      run([&](int64_t t) { return sp + t * G * 2 * kTile; }, [&](int64_t t) { return sp + t * G * 2 * kTile + kTile; });
+    };
+    if (scale_min.scalar_type() == at::kHalf)
+      floats(static_cast<at::Half*>(nullptr));
+    else
+      floats(static_cast<float*>(nullptr));
   }
   return out;
 }
@@ -1031,9 +1046,17 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t byt
     const Coded mn = mins ? coded_factors(*mins, *min_units, tiles, B, K, kTile, "mins") : Coded{};
     run([&](int64_t t) { return sc.tile(t, B); }, [&](int64_t t) { return mn.tile(t, B); });
   } else {
-    const float* sp = float_factors(scales, tiles, B, kTile, "scales");
-    const float* mp = mins ? float_factors(*mins, tiles, B, kTile, "mins") : nullptr;
-    run([&](int64_t t) { return sp + t * B * kTile; }, [&](int64_t t) { return mp ? mp + t * B * kTile : nullptr; });
+    TORCH_CHECK(!mins || mins->scalar_type() == scales.scalar_type(), "scales and mins of one dtype");
+    const auto floats = [&](auto* type) {
+      using T = std::remove_pointer_t<decltype(type)>;
+      const T* sp = float_factors<T>(scales, tiles, B, kTile, "scales");
+      const T* mp = mins ? float_factors<T>(*mins, tiles, B, kTile, "mins") : nullptr;
+      run([&](int64_t t) { return sp + t * B * kTile; }, [&](int64_t t) { return mp ? mp + t * B * kTile : nullptr; });
+    };
+    if (scales.scalar_type() == at::kHalf)
+      floats(static_cast<at::Half*>(nullptr));
+    else
+      floats(static_cast<float*>(nullptr));
   }
   return out;
 }
