@@ -123,7 +123,7 @@ inline F16x nibble_float(__m512i v, int shift) {
   const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   return {_mm512_permutexvar_ps(_mm512_srli_epi32(v, shift), values)};
 }
-// Run i of a block of 5-bit codes (int5_tile_f32's layout: the nibbles v, the fifth bits h) as two words a lane
+// Run i of a block of 5-bit codes (high_bits_tile_f32's layout: the nibbles v, the fifth bits h) as two words a lane
 // whose byte j holds the code of k = 4i + j (lo) or 16 + 4i + j (hi) in its low 5 bits: the fifth bits (bit
 // 8j + i, 8j + 4 + i of h) moved to bit 8j + 4 by one shift and put in place by one bitwise select.
 struct QuintRun {
@@ -142,7 +142,7 @@ inline F16x quint_float(const QuintRun& q, int j, int half) {
   const __m512 high = _mm512_setr_ps(16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
   return {_mm512_permutex2var_ps(low, _mm512_srli_epi32(half ? q.hi : q.lo, 8 * j), high)};
 }
-// Run i of a block of 6-bit codes (int6_tile_f32's layout: the fifth bits h, the sixth h6 laid out alike): the
+// Run i of a block of 6-bit codes (high_bits_tile_f32's layout: the fifth bits h, the sixth h6 laid out alike): the
 // quint run's words with the sixth bits moved to bit 8j + 5 by one shift and put in place by one select.
 inline QuintRun hex_run(__m512i v, __m512i h, __m512i h6, int i) {
   const QuintRun q = quint_run(v, h, i);
@@ -921,14 +921,33 @@ at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
   return out;
 }
 
-// R float activation rows against one tile of 5-bit codes (0..31): their low nibbles in int4_tiles' layout (256
-// bytes a block of 32 k; run i byte j of a row: k = 4i + j low, 16 + 4i + j high) and their fifth bits (`high`,
-// 64 bytes a block: each row's 32 as one int32, k = 4i + j at bit 8j + i and 16 + 4i + j at bit 8j + 4 + i, so
-// that one shift a run puts them beside their nibbles: quint_run), a float32 scale and (or null) min a block of
-// 16 or 32 k as int8_tile_f32 takes them.
-template <int R, typename F>
-void int5_tile_f32(const uint8_t* w, const uint8_t* high, F scales, F mins, const float* x, const float* xs, int64_t K,
+// A run of 5-bit (quint_run) or 6-bit (hex_run) codes, and its code j as a float.
+template <int kBits, typename W>
+inline auto high_run(const W& v, const W& h, const W& h6, int i) {
+  if constexpr (kBits == 5)
+    return quint_run(v, h, i);
+  else
+    return hex_run(v, h, h6, i);
+}
+template <int kBits, typename Q>
+inline F16x high_float(const Q& q, int j, int half) {
+  if constexpr (kBits == 5)
+    return quint_float(q, j, half);
+  else
+    return hex_float(q, j, half);
+}
+
+// R float activation rows against one tile of 5-bit codes (kBits 5: 0..31) or signed 6-bit ones (kBits 6:
+// -32..31, two's complement in 6 bits): their low nibbles in int4_tiles' layout (256 bytes a block of 32 k; run i
+// byte j of a row: k = 4i + j low, 16 + 4i + j high) and their fifth bits (`high`, 64 bytes a block: each row's
+// 32 as one int32, k = 4i + j at bit 8j + i and 16 + 4i + j at bit 8j + 4 + i, so that one shift a run puts them
+// beside their nibbles: quint_run), with 6 bits the sixth bits after them laid out alike (128 bytes a block:
+// hex_run); a float32 scale and (or null) min a block of 16 or 32 k as int8_tile_f32 takes them.
+template <int R, int kBits, typename F>
+void high_bits_tile_f32(const uint8_t* w, const uint8_t* high, F scales, F mins, const float* x, const float* xs, int64_t K,
                    int64_t block, float* out, int64_t N) {
+  static_assert(kBits == 5 || kBits == 6);
+  constexpr int kHigh = 64 * (kBits - 4);  // bytes of high bits a block
   constexpr int C = R >= 2 ? 1 : 2;
   const int64_t B = K / block;
   F16x acc[R];
@@ -938,11 +957,11 @@ void int5_tile_f32(const uint8_t* w, const uint8_t* high, F scales, F mins, cons
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h)
         for (int c = 0; c < C; ++c) part[r][h][c] = fzero();
-    const auto hv = load64(high + b * 64);
+    const auto hv = load64(high + b * kHigh), h6 = load64(high + b * kHigh + kHigh - 64);
     for (int i = 0; i < 4; ++i) {
-      const QuintRun q = quint_run(load64(w + b * 256 + 64 * i), hv, i);
+      const auto q = high_run<kBits>(load64(w + b * 256 + 64 * i), hv, h6, i);
       for (int j = 0; j < 4; ++j) {  // k = 4i + j and 16 + 4i + j
-        const F16x ql = quint_float(q, j, 0), qh = quint_float(q, j, 1);
+        const F16x ql = high_float<kBits>(q, j, 0), qh = high_float<kBits>(q, j, 1);
         for (int r = 0; r < R; ++r) {
           const float* xb = x + r * K + b * kBlock + 4 * i + j;
           part[r][0][j % C] = fma(ql, fset(xb[0]), part[r][0][j % C]);
@@ -970,52 +989,6 @@ void int5_tile_f32(const uint8_t* w, const uint8_t* high, F scales, F mins, cons
   for (int r = 0; r < R; ++r) store(out + r * N, acc[r]);
 }
 
-// int5_tile_f32 for signed 6-bit codes (-32..31, in 6 bits' two's complement): the fifth bits' plane then the
-// sixth's, 128 bytes a block (int6_tiles).
-// Its own copy: one kernel for both, the 5-bit one took 1.3x as long.
-template <int R, typename F>
-void int6_tile_f32(const uint8_t* w, const uint8_t* high, F scales, F mins, const float* x, const float* xs, int64_t K,
-                   int64_t block, float* out, int64_t N) {
-  constexpr int C = R >= 2 ? 1 : 2;
-  const int64_t B = K / block;
-  F16x acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = fzero();
-  for (int64_t b = 0; b < K / kBlock; ++b) {
-    F16x part[R][2][C];  // k 0..15 (the low nibbles) and 16..31 (the high ones) apart, for blocks of 16
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < 2; ++h)
-        for (int c = 0; c < C; ++c) part[r][h][c] = fzero();
-    const auto hv = load64(high + b * 128), h6 = load64(high + b * 128 + 64);
-    for (int i = 0; i < 4; ++i) {
-      const auto q = hex_run(load64(w + b * 256 + 64 * i), hv, h6, i);
-      for (int j = 0; j < 4; ++j) {  // k = 4i + j and 16 + 4i + j
-        const F16x ql = hex_float(q, j, 0), qh = hex_float(q, j, 1);
-        for (int r = 0; r < R; ++r) {
-          const float* xb = x + r * K + b * kBlock + 4 * i + j;
-          part[r][0][j % C] = fma(ql, fset(xb[0]), part[r][0][j % C]);
-          part[r][1][j % C] = fma(qh, fset(xb[16]), part[r][1][j % C]);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      F16x sum[2];
-      for (int h = 0; h < 2; ++h) {
-        sum[h] = part[r][h][0];
-        for (int c = 1; c < C; ++c) sum[h] = fadd(sum[h], part[r][h][c]);
-      }
-      if (block == 16) {
-        for (int h = 0; h < 2; ++h) {
-          acc[r] = fma(sum[h], factor_at(scales, 2 * b + h), acc[r]);
-          if (given(mins)) acc[r] = fma(factor_at(mins, 2 * b + h), fset(xs[r * B + 2 * b + h]), acc[r]);
-        }
-      } else {
-        acc[r] = fma(fadd(sum[0], sum[1]), factor_at(scales, b), acc[r]);
-        if (given(mins)) acc[r] = fma(factor_at(mins, b), fset(xs[r * B + b]), acc[r]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) store(out + r * N, acc[r]);
-}
 
 // The block ops' shared run (int5_gemv_f32, int8_gemv_f32): x and the codes (bytes_per_block a tile's block
 // of 32 k) checked with the factors (N/16, K/block, 16) (float32, or int8 codes with their units: `Coded`),
@@ -1061,7 +1034,7 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t byt
   return out;
 }
 
-// y = x @ w.T in float32 with 5-bit codes as they are (int5_tile_f32's layout), w = q * scale (+ min); a GGUF
+// y = x @ w.T in float32 with 5-bit codes as they are (high_bits_tile_f32's layout), w = q * scale (+ min); a GGUF
 // file's Q5_0 / Q5_1 / Q5_K (and Q3_K / Q2_K / 4-bit, beside them in one projection) in 5 bits a weight.
 template <int kBits>
 at::Tensor high_bits_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& high,
@@ -1077,12 +1050,8 @@ at::Tensor high_bits_gemv_f32(const at::Tensor& x, const at::Tensor& packed, con
   const uint8_t* hp = high.data_ptr<uint8_t>();
   return block_gemv(x, packed, 256, scales, block, mins, scale_units, min_units,
                     [&](auto R, int64_t t, auto s, auto mn, const float* xr, const float* xs, float* o) {
-                      if constexpr (kBits == 5)
-                        int5_tile_f32<decltype(R)::value>(wp + t * KB * 256, hp + t * KB * kHigh, s, mn, xr, xs, K,
-                                                          block, o, N);
-                      else
-                        int6_tile_f32<decltype(R)::value>(wp + t * KB * 256, hp + t * KB * kHigh, s, mn, xr, xs, K,
-                                                          block, o, N);
+                      high_bits_tile_f32<decltype(R)::value, kBits>(wp + t * KB * 256, hp + t * KB * kHigh, s, mn,
+                                                                    xr, xs, K, block, o, N);
                     });
 }
 
