@@ -279,23 +279,24 @@ def nibble_tiles(codes: torch.Tensor) -> torch.Tensor:
 
 def _bit_plane(codes: torch.Tensor, bit: int) -> torch.Tensor:
     """Bit `bit` of codes (N, K) as `int5_tiles`' plane (N/16, K/32, 64) uint8: a block's 16 rows' 32 bits each as
-    a little-endian int32, bit 8 j + i for k = 4 i + j and 8 j + 4 + i for k = 16 + 4 i + j (i, j < 4)."""
+    a little-endian int32, bit 8 j + i for k = 4 i + j and 8 j + 4 + i for k = 16 + 4 i + j (i, j < 4): byte j
+    of a row holds bit 4 half + i for k = 16 half + 4 i + j. In bytes throughout (an output projection's plane is
+    built from its N K codes, so no wider temporaries)."""
     N, K = codes.shape
     bits = (
-        ((codes >> bit) & 1).to(torch.int64).reshape(N // TILE, TILE, K // BLOCK, 2, 4, 4)
+        ((codes >> bit) & 1).to(torch.uint8).reshape(N // TILE, TILE, K // BLOCK, 2, 4, 4)
     )  # (.., half, i, j)
-    half, i, j = torch.meshgrid(torch.arange(2), torch.arange(4), torch.arange(4), indexing="ij")
-    words = (bits << (8 * j + 4 * half + i)).sum(dim=(-3, -2, -1))  # (tile, row, block)
-    b = torch.stack([(words >> (8 * n)) & 0xFF for n in range(4)], dim=-1).to(torch.uint8)  # little-endian
-    return b.transpose(1, 2).reshape(N // TILE, K // BLOCK, 64)
+    shifts = (4 * torch.arange(2).reshape(2, 1, 1) + torch.arange(4).reshape(1, 4, 1)).to(torch.uint8)
+    planes = (bits << shifts).sum(dim=(3, 4), dtype=torch.uint8)  # (tile, row, block, j): distinct bits
+    return planes.transpose(1, 2).reshape(N // TILE, K // BLOCK, 64)
 
 
 def _untile_plane(plane: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """`_bit_plane`'s inverse: the bits (N, K) as int64."""
-    words = plane.reshape(N // TILE, K // BLOCK, TILE, 4).to(torch.int64)  # (tile, block, row, byte)
-    words = (words << (8 * torch.arange(4))).sum(-1).transpose(1, 2)  # (tile, row, block)
-    half, i, j = torch.meshgrid(torch.arange(2), torch.arange(4), torch.arange(4), indexing="ij")
-    return ((words[..., None, None, None] >> (8 * j + 4 * half + i)) & 1).reshape(N, K)
+    """`_bit_plane`'s inverse: the bits (N, K) as uint8."""
+    planes = plane.reshape(N // TILE, K // BLOCK, TILE, 1, 1, 4)  # (tile, block, row, ., ., j)
+    shifts = (4 * torch.arange(2).reshape(2, 1, 1) + torch.arange(4).reshape(1, 4, 1)).to(torch.uint8)
+    bits = (planes >> shifts) & 1  # (tile, block, row, half, i, j)
+    return bits.transpose(1, 2).reshape(N, K)
 
 
 def int5_tiles(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
