@@ -3,6 +3,10 @@
 - `int4_gemv` and `int8_gemv` (`csrc/cpu_gemv.cpp`): a few rows of activations (decode steps) against int4
   and int8 weights, with the activations' int8 codes multiplied by the weights' codes in integer dot products
   (AVX512-VNNI, AVX-VNNI or AVX2);
+- `int4_gemv_f32`, `int8_gemv_f32`, `int5_gemv_f32` and `int6_gemv_f32` (`csrc/cpu_gemv.cpp`): float activations
+  as they are against a GGUF file's own codes in 4, 8, 5 or 6 bits a weight, float32 products and sums (the
+  dequantized weights' float linear but for the order of the sums); their factors float32, float16 or int8 codes
+  of a unit a run of 256 k, whichever holds them exactly in the fewest bytes (`compact_factors`);
 - `int4_gemm_bf16` (`csrc/cpu_gemv.cpp`, on CPUs with AMX-BF16: Sapphire Rapids and later): a prefill's
   rows against int4 weights on the tile unit, the weights dequantized to bf16 a tile at a time and x rounded
   to bf16, float32 sums; from `AMX_BF16_ROWS` rows it takes 0.47-0.98x the time of `int4_gemv` (which itself
