@@ -281,6 +281,11 @@ def nibble_tiles(codes: torch.Tensor) -> torch.Tensor:
     return (c[..., 0] | (c[..., 1] << 4)).reshape(N // TILE, K // BLOCK * 256).contiguous()
 
 
+def _plane_shifts() -> torch.Tensor:
+    """(half, i, 1) uint8: where k = 16 half + 4 i + j's bit sits in byte j of a row's plane word."""
+    return (4 * torch.arange(2).reshape(2, 1, 1) + torch.arange(4).reshape(1, 4, 1)).to(torch.uint8)
+
+
 def _bit_plane(codes: torch.Tensor, bit: int) -> torch.Tensor:
     """Bit `bit` of codes (N, K) as `int5_tiles`' plane (N/16, K/32, 64) uint8: a block's 16 rows' 32 bits each as
     a little-endian int32, bit 8 j + i for k = 4 i + j and 8 j + 4 + i for k = 16 + 4 i + j (i, j < 4): byte j
@@ -290,16 +295,16 @@ def _bit_plane(codes: torch.Tensor, bit: int) -> torch.Tensor:
     bits = (
         ((codes >> bit) & 1).to(torch.uint8).reshape(N // TILE, TILE, K // BLOCK, 2, 4, 4)
     )  # (.., half, i, j)
-    shifts = (4 * torch.arange(2).reshape(2, 1, 1) + torch.arange(4).reshape(1, 4, 1)).to(torch.uint8)
-    planes = (bits << shifts).sum(dim=(3, 4), dtype=torch.uint8)  # (tile, row, block, j): distinct bits
+    planes = (bits << _plane_shifts()).sum(
+        dim=(3, 4), dtype=torch.uint8
+    )  # (tile, row, block, j): distinct bits
     return planes.transpose(1, 2).reshape(N // TILE, K // BLOCK, 64)
 
 
 def _untile_plane(plane: torch.Tensor, N: int, K: int) -> torch.Tensor:
     """`_bit_plane`'s inverse: the bits (N, K) as uint8."""
     planes = plane.reshape(N // TILE, K // BLOCK, TILE, 1, 1, 4)  # (tile, block, row, ., ., j)
-    shifts = (4 * torch.arange(2).reshape(2, 1, 1) + torch.arange(4).reshape(1, 4, 1)).to(torch.uint8)
-    bits = (planes >> shifts) & 1  # (tile, block, row, half, i, j)
+    bits = (planes >> _plane_shifts()) & 1  # (tile, block, row, half, i, j)
     return bits.transpose(1, 2).reshape(N, K)
 
 
@@ -380,7 +385,7 @@ def untile_factors(tiled: torch.Tensor) -> torch.Tensor:
     return tiled.transpose(1, 2).reshape(-1, tiled.shape[1]).contiguous()
 
 
-# The float kernels' factors coded in runs of UNIT_K k: an int8 a block times a float32 unit a run (`Factors` in
+# The float kernels' factors coded in runs of UNIT_K k: an int8 a block times a float32 unit a run (`Coded` in
 # the C++ source), where that is exact: a GGUF K type's factors are an f16 (d, dmin) of 256 weights times small
 # integers, 0.75 bits a weight (Q4_K's scale and min), not 2 as float32s.
 UNIT_K = 256
@@ -430,8 +435,12 @@ def compact_factors(
     hold them exactly, each as (factors, units or None): int8 codes of units (`coded_factors`; a K type's), else
     float16 (a Q8_0's or Q4_1's f16 d and m), else float32 as they are."""
     given = [f for f in factors if f is not None]
-    coded = [coded_factors(f, K) for f in given]
-    if all(c is not None for c in coded):
+    coded = []
+    for f in given:  # until one does not code (a Q8_0's scales: their mins need no search)
+        if (c := coded_factors(f, K)) is None:
+            break
+        coded.append(c)
+    if len(coded) == len(given):
         compact = iter(coded)
     elif all(torch.equal(f.half().float(), f) for f in given):
         compact = iter((f.half(), None) for f in given)

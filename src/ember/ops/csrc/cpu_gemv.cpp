@@ -523,11 +523,11 @@ void int4_tile(const uint8_t* w, const at::Half* sm, const int8_t* xq, const flo
 }
 
 // The float kernels' factors (scales, or mins) of a tile's blocks (or groups), 16 lanes a block, kStride floats
-// apart: float32 as they are (a pointer; null: none), or `Coded` (`cpu_ext.coded_factors`): an int8 a block (at
+// apart: float32 or float16 as they are (a pointer; null: none), or `Coded` (`cpu_ext.coded_factors`): an int8 a block (at
 // q) times a float32 unit for each run of 1 << shift blocks (256 k), the float32 values themselves where the
 // units and codes were found exact (a GGUF K type's f16 d times its small integer scales: 0.75 bits a weight of
-// factors, not 2). Each kernel is instantiated for both (float32's is the loop as it was before codes: a
-// branch, or a struct for both, cost it 10-18%).
+// factors, not 2). Each kernel is instantiated for each form (float32's is the loop as it was before codes: a
+// branch, or a struct for all, cost it 10-18%).
 struct Coded {
   const int8_t* q = nullptr;
   const float* unit = nullptr;
@@ -991,7 +991,7 @@ void high_bits_tile_f32(const uint8_t* w, const uint8_t* high, F scales, F mins,
 
 
 // The block ops' shared run (int5_gemv_f32, int8_gemv_f32): x and the codes (bytes_per_block a tile's block
-// of 32 k) checked with the factors (N/16, K/block, 16) (float32, or int8 codes with their units: `Coded`),
+// of 32 k) checked with the factors (N/16, K/block, 16) (float32, float16, or int8 codes with units: `Coded`),
 // the rows' block sums where mins are given, then for each tile t and run of R rows m: tile(R, t, its scales,
 // its mins (none without), the rows' x, their block sums or null, their out).
 template <typename Tile>
