@@ -268,6 +268,59 @@ def test_int5_gemv_f32_is_the_float_linear_on_the_5bit_weights(ops, rows, block,
         ops.int5_gemv_f32(x, packed, high[:, :-64].contiguous(), tiled, block, tiled_mins)
 
 
+@pytest.mark.parametrize(
+    "kind,block,with_mins", [("int4", 32, True), ("int8", 32, False), ("int6", 16, True), ("int5", 32, True)]
+)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_float_kernels_few_rows_multiply_three_int8_parts_of_x(monkeypatch, kind, block, with_mins, rows):
+    """Up to 4 rows on AVX512-VNNI: each block of 32 activations as three int8 parts of one scale, multiplied by
+    the codes in integer dot products, so x is held to 2^-24 of its block's largest |x|: the float64 linear
+    within float32's error even beside an outlier 10^4 times its block, though not the FMA path's bits."""
+    if "avx512_vnni" not in cpu_ext.cpu_flags() or not cpu_ext.available():
+        pytest.skip("the split path is built for AVX512-VNNI")
+    ops = torch.ops.ember_cpu
+    g = torch.Generator().manual_seed(rows + block)
+    N, K = 48, 512
+    x = activations(rows, K)
+    x[:, 64] = 1e4  # a block whose other 31 values are 10^4 times smaller
+    scales = torch.rand(N, K // block, generator=g) * 0.01
+    mins = -torch.rand(N, K // block, generator=g) if with_mins else None
+    if kind == "int4":
+        codes = torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g)
+        tiles, pairs = cpu_ext.int4_tiles(pack_nibbles(codes), scales, mins, torch.float32)
+        operands, factors = (tiles,), (pairs, block)
+    else:
+        low, high = {"int8": (-128, 128), "int6": (-32, 32), "int5": (0, 32)}[kind]
+        codes = torch.randint(low, high, (N, K), dtype=torch.int8, generator=g)
+        tiled_mins = None if mins is None else cpu_ext.int8_block_scales(mins)
+        operands = {"int8": lambda: (cpu_ext.int8_tiles(codes),), "int6": lambda: cpu_ext.int6_tiles(codes),
+                    "int5": lambda: cpu_ext.int5_tiles(codes)}[kind]()  # fmt: skip
+        factors = (cpu_ext.int8_block_scales(scales), block, tiled_mins)
+    op = getattr(ops, f"{kind}_gemv_f32")
+    got = op(x, *operands, *factors)
+    monkeypatch.setenv("EMBER_CPU_SPLIT", "0")
+    on_fma = op(x, *operands, *factors)
+    want = cpu_ext.int8_f32_reference(x.double(), codes.to(torch.int8), scales.double(),
+                                      None if mins is None else mins.double())  # fmt: skip
+    # the bound: each weight times 2^-22 of its block's largest |x| (x's parts leave 2^-24 of it, the float32
+    # sums as much again); the FMA path's float32 sums keep it too
+    block_max = (
+        x.abs().reshape(rows, -1, 32).amax(-1, keepdim=True).expand(rows, K // 32, 32).reshape(rows, K)
+    )
+    weights = cpu_ext.int8_f32_reference(torch.eye(K, dtype=torch.double), codes.to(torch.int8), scales.double(),
+                                         None if mins is None else mins.double())  # fmt: skip
+    bound = 2.0**-22 * (block_max.double() @ weights.double().abs())  # (K, N): the weights' transpose
+    assert ((got - want).abs() <= bound).all()
+    assert ((on_fma - want).abs() <= bound).all()
+    assert not torch.equal(got, on_fma)
+    # one int8 part alone (the activations' rounding in int4_gemv) would be far past it
+    d = x.reshape(rows, -1, 32).abs().amax(-1, keepdim=True) / 127
+    one = (x.reshape(rows, -1, 32) / d).nan_to_num().round().mul(d).reshape(rows, K)  # (a block of zeros)
+    coarse = cpu_ext.int8_f32_reference(one.double(), codes.to(torch.int8), scales.double(),
+                                        None if mins is None else mins.double())  # fmt: skip
+    assert ((coarse - want).abs() > 10 * bound).any()
+
+
 def amx_builds() -> tuple:
     """The native build and one without AMX, for CPUs whose kernels run on the tile unit (else a skip)."""
     if not cpu_ext.available() or not cpu_ext.amx_bf16():
@@ -332,6 +385,53 @@ def test_int4_silu_gate_up_bf16_is_its_twin(group_size, rows, N):
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     with pytest.raises(RuntimeError, match="whole tiles of 16 rows; got 48 rows"):
         amx.int4_silu_gate_up_bf16(x, tiles[:3], scale_min[:3], group_size)
+
+
+@pytest.mark.parametrize(
+    "kind,block,with_mins",
+    [
+        ("int4", 32, True),
+        ("int4", 128, True),
+        ("int8", 16, False),
+        ("int8", 32, True),
+        ("int6", 16, True),
+        ("int5", 32, False),
+    ],
+)
+@pytest.mark.parametrize("rows,N,K", [(16, 48, 512), (37, 80, 1280), (130, 64, 2304)])
+def test_float_kernels_on_the_tile_unit_keep_float32_sums(kind, block, with_mins, rows, N, K):
+    """From 16 rows the float kernels take their rows 16 at a time to the tile unit, x as three bf16 parts whose
+    products with the codes are exact: the float64 linear within float32 sums' error, as on the vector path,
+    though not in its order; rounding x to bf16 instead would be far off. Ranges of K past one (1280, 2304),
+    an odd tile, rows left to the vector path, blocks of 16 and 32 and int4 groups."""
+    amx, vector = amx_builds()
+    g = torch.Generator().manual_seed(rows + block)
+    x = activations(rows, K)
+    scales = torch.rand(N, K // block, generator=g) * 0.01
+    mins = -torch.rand(N, K // block, generator=g) if with_mins else None
+    if kind == "int4":
+        codes = torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g)
+        tiles, pairs = cpu_ext.int4_tiles(pack_nibbles(codes), scales, mins, torch.float32)
+        operands, factors = (tiles,), (pairs, block)
+    else:
+        low, high = {"int8": (-128, 128), "int6": (-32, 32), "int5": (0, 32)}[kind]
+        codes = torch.randint(low, high, (N, K), dtype=torch.int8, generator=g)
+        tiled_mins = None if mins is None else cpu_ext.int8_block_scales(mins)
+        operands = {"int8": lambda: (cpu_ext.int8_tiles(codes),), "int6": lambda: cpu_ext.int6_tiles(codes),
+                    "int5": lambda: cpu_ext.int5_tiles(codes)}[kind]()  # fmt: skip
+        factors = (cpu_ext.int8_block_scales(scales), block, tiled_mins)
+    name = f"{kind}_gemv_f32"
+    got = getattr(amx, name)(x, *operands, *factors)
+    on_vector = getattr(vector, name)(x, *operands, *factors)
+    want = cpu_ext.int8_f32_reference(x.double(), codes.to(torch.int8), scales.double(),
+                                      None if mins is None else mins.double())  # fmt: skip
+    assert (got - want).abs().max() <= 2e-6 * want.abs().max()
+    assert (on_vector - want).abs().max() <= 2e-6 * want.abs().max()
+    assert not torch.equal(got, on_vector)  # the tile unit's sums, not the vector path's
+    assert torch.equal(got[rows // 16 * 16 :], on_vector[rows // 16 * 16 :])  # the rows left over: vector's
+    rounded = cpu_ext.int8_f32_reference(x.bfloat16().double(), codes.to(torch.int8), scales.double(),
+                                         None if mins is None else mins.double())  # fmt: skip
+    assert (rounded - want).abs().max() > 1e-4 * want.abs().max()
 
 
 def int4_projection(out_features: int) -> tuple[nn.Module, tuple]:

@@ -28,6 +28,10 @@
 //     through memory to be scaled, and that, not the products, bounds it.
 //   int4_gemm_bf16 (a prefill's many rows) keeps its sums on the tile unit across K instead: x rounded to bf16,
 //     the weights dequantized to bf16 (q * scale + min, rounded) a tile at a time, float32 sums.
+//   The float kernels (*_gemv_f32) take rows 16 at a time there too, x as three bf16 parts (amx_f32_rows).
+//
+// The float kernels' few rows (decode steps) on AVX512-VNNI: x as three int8 parts of a block's scale against
+// the codes in integer dot products (split_tile), in place of a float conversion and an FMA a weight.
 //
 // Shape legend: M rows of activations, K input features, N output features.
 
@@ -39,7 +43,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -53,6 +59,9 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define EMBER_AMX_BF16 1
+#endif
 #endif
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define EMBER_AVX2 1
@@ -72,6 +81,18 @@ constexpr int kBlock = 32;  // k of an activation block
 #endif
 #endif
 constexpr int kMaxRows = EMBER_MAX_ROWS;
+// Bytes ahead of a tile's codes the float kernels ask of the cache (EMBER_CPU_PREFETCH, read once; 0: none).
+const int64_t kPrefetch = [] {
+  const char* env = std::getenv("EMBER_CPU_PREFETCH");
+  return env != nullptr ? std::atoll(env) : int64_t{4096};
+}();
+
+// Asks the cache for `lines` lines from kPrefetch bytes past p (a block's codes, the next blocks' being what the
+// kernel reads after: a tile's, then the next tile's, lie one after another).
+inline void prefetch_ahead(const uint8_t* p, int lines) {
+  if (kPrefetch > 0)
+    for (int l = 0; l < lines; ++l) __builtin_prefetch(p + kPrefetch + 64 * l, 0, 3);
+}
 // Rows of activations a thread quantizes at least (a prefill's; a decode step's one row stays on the caller's).
 constexpr int64_t kQuantizeRows = 16;
 
@@ -598,6 +619,7 @@ void int4_tile_f32(const uint8_t* w, F sc, F mins, const float* x, const float* 
       for (int c = 0; c < C; ++c) part[r][c] = fzero();
     for (int64_t b = g * blocks; b < (g + 1) * blocks; ++b) {
       const uint8_t* wb = w + b * 256;
+      prefetch_ahead(wb, 4);
       for (int i = 0; i < 4; ++i) {
         const auto v = load64(wb + 64 * i);
         for (int j = 0; j < 4; ++j) {  // k = 4i + j (byte j's low nibble) and 16 + 4i + j (its high one)
@@ -843,6 +865,7 @@ void int8_tile_f32(const uint8_t* w, F scales, F mins, const float* x, const flo
   F16x acc[R];
   for (int r = 0; r < R; ++r) acc[r] = fzero();
   for (int64_t b = 0; b < K / kBlock; ++b) {
+    prefetch_ahead(w + b * 512, 8);
     for (int h = 0; h < 2; ++h) {  // runs 4h..4h+3: k 16h..16h+15, a block of 16 (with blocks of 32, half one)
       F16x part[R][C];
       for (int r = 0; r < R; ++r)
@@ -882,45 +905,6 @@ std::vector<float> block_sums(const float* x, int64_t M, int64_t K, int64_t bloc
   return xs;
 }
 
-// y = x @ w.T in float32 with int4 weights as they are: x not rounded, w = q * scale + min with float32 factors
-// (scale_min (N/16, K/g, 2, 16)), each group's products summed, then scaled. The float linear's values on the
-// dequantized weights but for the order of the sums: a GGUF file's 4-bit weights computed without a float
-// copy of them.
-// With `units`, scale_min holds int8 codes of the factors and units (N/16, K/256, 2, 16) their float32 units
-// (`Coded`).
-at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
-                         int64_t group_size, const std::optional<at::Tensor>& units) {
-  check_operands(x, packed, 256);
-  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
-  TORCH_CHECK(group_size % kBlock == 0 && K % group_size == 0, "group size ", group_size, " does not tile K = ", K);
-  const int64_t G = K / group_size;
-  auto out = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const std::vector<float> xs = block_sums(xp, M, K, group_size);  // the min term's factors, a group each
-  const uint8_t* wp = packed.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  const auto run = [&](const auto& sc, const auto& mn) {  // the tile's scales and mins from each tile's factors
-    over_tiles(tiles, M, [&](auto R, int64_t t, int64_t m) {
-      int4_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 256, sc(t), mn(t), xp + m * K, &xs[m * G], K,
-                                        group_size, op + m * N + t * kTile, N);
-    });
-  };
-  if (units) {
-    const Coded sc = coded_factors(scale_min, *units, tiles, G, K, 2 * kTile, "scale_min"), mn = sc.shifted(kTile);
-    run([&](int64_t t) { return sc.tile(t, G); }, [&](int64_t t) { return mn.tile(t, G); });
-  } else {
-    const auto floats = [&](auto* type) {
-      const auto* sp = float_factors<std::remove_pointer_t<decltype(type)>>(scale_min, tiles, G, 2 * kTile, "scale_min");
-      run([&](int64_t t) { return sp + t * G * 2 * kTile; }, [&](int64_t t) { return sp + t * G * 2 * kTile + kTile; });
-    };
-    if (scale_min.scalar_type() == at::kHalf)
-      floats(static_cast<at::Half*>(nullptr));
-    else
-      floats(static_cast<float*>(nullptr));
-  }
-  return out;
-}
-
 // A run of 5-bit (quint_run) or 6-bit (hex_run) codes, and its code j as a float.
 template <int kBits, typename W>
 inline auto high_run(const W& v, const W& h, const W& h6, int i) {
@@ -957,6 +941,8 @@ void high_bits_tile_f32(const uint8_t* w, const uint8_t* high, F scales, F mins,
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h)
         for (int c = 0; c < C; ++c) part[r][h][c] = fzero();
+    prefetch_ahead(w + b * 256, 4);
+    prefetch_ahead(high + b * kHigh, kBits - 4);
     const auto hv = load64(high + b * kHigh), h6 = load64(high + b * kHigh + kHigh - 64);
     for (int i = 0; i < 4; ++i) {
       const auto q = high_run<kBits>(load64(w + b * 256 + 64 * i), hv, h6, i);
@@ -990,15 +976,441 @@ void high_bits_tile_f32(const uint8_t* w, const uint8_t* high, F scales, F mins,
 }
 
 
+#if defined(EMBER_AMX_BF16)
+// ---- AMX-BF16 for the float kernels: a prefill's rows, float32 sums of exact products -------------------
+//
+// The float kernels promise the float linear's values on the dequantized weights, which rounding x to bf16
+// would not keep. On the tile unit they keep it this way: a weight's code is a small integer, exact in bf16,
+// and a float32 activation is exactly the sum of three bf16s (x = x0 + x1 + x2, each the rounding of what the
+// ones before leave: 8 significant bits each), so each of TDPBF16PS's products is exact and its float32 sums
+// are the vector path's sums in another order; a block's (or group's) sums then leave the tile unit to be
+// scaled (and their min added) as the vector path does it. Three bf16 products a weight and row against one
+// float32 FMA, on a unit that does 16 x 16 x 32 of them in one instruction.
+//
+// A thread takes weight tiles two at a time against 16 rows of x: C tmm0-1 and tmm2-3 (a block's sums, blocks
+// alternating between the two pairs, so that the vector unit scales one block's sums while the tile unit computes
+// the next's), B tmm4-5 (the two tiles' codes), A tmm6-7 (x's parts in turn). Loops: K in ranges whose three
+// parts of x stay in L2 for every tile a thread takes; a range's codes of two tiles decoded to bf16 (L2), then
+// run 256 k at a time (L1) against every 16 rows; the sums kept across ranges in the rows of out.
+
+constexpr int kAmxTiles = 2;         // weight tiles a pass
+constexpr int64_t kAmxRange = 1024;  // k of a range (x's three parts: 6 KB a row)
+constexpr int64_t kAmxSub = 256;     // k run against every 16 rows while its codes are in L1
+
+// A's k 32 (16 rows of 64 bytes; B 16 rows of 16 (k, k + 1) pairs) or 16 (blocks of 16: 32 bytes, B 8 rows).
+const TileConfig kSplitTiles32{.colsb = {64, 64, 64, 64, 64, 64, 64, 64}, .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+const TileConfig kSplitTiles16{.colsb = {64, 64, 64, 64, 64, 64, 32, 32}, .rows = {16, 16, 16, 16, 8, 8, 16, 16}};
+
+// The words of a B row from the floats of k (lo) and k + 1 (hi), 16 output rows each: (lo[l], hi[l]) in bf16.
+inline __m512i bf16_pairs(__m512 lo, __m512 hi) {
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                         6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
+// x (rows, K), rows a multiple of 16 -> its three bf16 parts (part p the rounding of x less the parts before it),
+// each 16 rows laid out as A tiles of kc k one after another (16 rows of kc, then the next kc k): part p's tile
+// of rows 16c.. at k is at parts + (p * rows + 16c) * K + 16k, its rows kc * 2 bytes apart (not K * 2: rows a
+// power of two bytes apart would share L1's sets).
+void split_bf16(const float* x, int64_t rows, int64_t K, int64_t kc, uint16_t* parts) {
+  at::parallel_for(0, rows, kQuantizeRows, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const int64_t chunk = m / kAmxRows * kAmxRows, r = m % kAmxRows;
+      for (int64_t k = 0; k < K; k += 16) {
+        __m512 left = _mm512_loadu_ps(x + m * K + k);
+        const int64_t at = chunk * K + (k / kc) * kAmxRows * kc + r * kc + k % kc;
+        for (int p = 0; p < 3; ++p) {
+          const __m256i h = (__m256i)_mm512_cvtneps_pbh(left);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(parts + p * rows * K + at), h);
+          left = _mm512_sub_ps(left, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        }
+      }
+    }
+  });
+}
+
+// One C tile's sums (stored at c, 16 rows of 16) of factor block j into acc (16 rows): times its scales, plus
+// its mins times the rows' block sums (xs, B a row), as the vector kernels apply them.
+template <int kStride, typename F>
+inline void amx_scale(const float* c, const F& sc, const F& mn, int64_t j, const float* xs, int64_t B, __m512* acc) {
+  const F16x scale = factor_at<kStride>(sc, j);
+  if (given(mn)) {
+    const F16x m = factor_at<kStride>(mn, j);
+    for (int r = 0; r < kAmxRows; ++r)
+      acc[r] = fma(F16x{_mm512_load_ps(c + 16 * r)}, scale, fma(m, fset(xs[r * B + j]), F16x{acc[r]})).v;
+  } else {
+    for (int r = 0; r < kAmxRows; ++r) acc[r] = fma(F16x{_mm512_load_ps(c + 16 * r)}, scale, F16x{acc[r]}).v;
+  }
+}
+
+// One block's sums of 16 rows against two tiles into C tiles c0 and c1 (literals: GCC's tile intrinsics take
+// only those), stored at s0 and s1: S k in steps of kc, A (x's three parts at the block's k) at a, a part `part`
+// elements on, B (the two tiles' at the block's k) at b, b1 bytes on.
+#define EMBER_AMX_BLOCK(name, c0, c1)                                                                        \
+  inline void name(const uint16_t* a, int64_t part, const uint8_t* b, int64_t b1, int64_t S, int64_t kc,      \
+                   float* s0, float* s1) {                                                                   \
+    _tile_zero(c0);                                                                                          \
+    _tile_zero(c1);                                                                                          \
+    for (int64_t at = 0; at < S; at += kc) {                                                                 \
+      const uint8_t* bk = b + at * 32;                                                                       \
+      _tile_loadd(4, bk, 64);                                                                                \
+      _tile_loadd(5, bk + b1, 64);                                                                           \
+      const uint16_t* ak = a + 16 * at;                                                                      \
+      _tile_loadd(6, ak, kc * 2);                                                                            \
+      _tile_dpbf16ps(c0, 6, 4);                                                                              \
+      _tile_dpbf16ps(c1, 6, 5);                                                                              \
+      _tile_loadd(7, ak + part, kc * 2);                                                                     \
+      _tile_dpbf16ps(c0, 7, 4);                                                                              \
+      _tile_dpbf16ps(c1, 7, 5);                                                                              \
+      _tile_loadd(6, ak + 2 * part, kc * 2);                                                                 \
+      _tile_dpbf16ps(c0, 6, 4);                                                                              \
+      _tile_dpbf16ps(c1, 6, 5);                                                                              \
+    }                                                                                                        \
+    _tile_stored(c0, s0, 64);                                                                                \
+    _tile_stored(c1, s1, 64);                                                                                \
+  }
+EMBER_AMX_BLOCK(amx_block_even, 0, 1)
+EMBER_AMX_BLOCK(amx_block_odd, 2, 3)
+#undef EMBER_AMX_BLOCK
+
+// Rows [0, rows) (a multiple of 16) of out (N a row) for `tiles` weight tiles whose factors come a block of S k
+// (16, 32, or an int4 group): decode(t, b0, b1, rows) writes tile t's codes of blocks of 32 k [b0, b1) as bf16
+// B rows (k / 2 from b0's, 64 bytes each), sc(t) and mn(t) its factors (factor_at<kStride>; mn not given: none),
+// xs the rows' sums of x a block of S (given mins).
+template <int kStride, typename Decode, typename Sc, typename Mn>
+void amx_f32_rows(const float* x, int64_t rows, int64_t K, int64_t tiles, int64_t S, const Decode& decode,
+                  const Sc& sc, const Mn& mn, const float* xs, float* out, int64_t N) {
+  const int64_t B = K / S, kc = S == 16 ? 16 : 32, chunks = rows / kAmxRows;
+  const int64_t range = std::max(kAmxRange / S, int64_t{1}) * S, sub = std::max(kAmxSub / S, int64_t{1}) * S;
+  const int64_t part = rows * K;  // elements of x's part
+  std::unique_ptr<uint16_t[]> parts(new uint16_t[3 * part]);
+  split_bf16(x, rows, K, kc, parts.get());
+  const int64_t pairs = (tiles + kAmxTiles - 1) / kAmxTiles;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    _tile_loadconfig(kc == 32 ? &kSplitTiles32 : &kSplitTiles16);
+    std::unique_ptr<__m512i[]> codes(new __m512i[kAmxTiles * range / 2]);  // B rows of two tiles' range
+    std::unique_ptr<__m512[]> acc(new __m512[chunks * kAmxTiles * kAmxRows]);
+    alignas(64) float c[2][kAmxTiles][kAmxRows * kTile];  // [block % 2][tile]
+    auto* b = reinterpret_cast<uint8_t*>(codes.get());
+    const int64_t b1 = range * 32;  // bytes from tile 0's B rows to tile 1's
+    for (int64_t k0 = 0; k0 < K; k0 += range) {
+      const int64_t k1 = std::min(K, k0 + range);
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t t0 = g * kAmxTiles, nt = std::min<int64_t>(kAmxTiles, tiles - t0);
+        for (int i = 0; i < kAmxTiles; ++i) {
+          if (i < nt)
+            decode(t0 + i, k0 / kBlock, k1 / kBlock, b + i * b1);
+          else
+            std::memset(b + i * b1, 0, (k1 - k0) * 32);
+        }
+        // This range's sums start from the ranges' before (in out) or from zero.
+        for (int64_t ch = 0; ch < chunks; ++ch)
+          for (int i = 0; i < nt; ++i)
+            for (int r = 0; r < kAmxRows; ++r)
+              acc[(ch * kAmxTiles + i) * kAmxRows + r] =
+                  k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(out + (ch * kAmxRows + r) * N + (t0 + i) * kTile);
+        const auto scale = [&](int64_t ch, int64_t j) {  // block j's sums (in c[j % 2]) into acc
+          const float* xr = xs ? xs + ch * kAmxRows * B : nullptr;
+          for (int i = 0; i < nt; ++i)
+            amx_scale<kStride>(c[j & 1][i], sc(t0 + i), mn(t0 + i), j, xr, B, &acc[(ch * kAmxTiles + i) * kAmxRows]);
+        };
+        for (int64_t s0 = k0; s0 < k1; s0 += sub) {
+          const int64_t s1 = std::min(k1, s0 + sub);
+          for (int64_t ch = 0; ch < chunks; ++ch) {
+            const uint16_t* a = parts.get() + ch * kAmxRows * K;
+            for (int64_t j = s0 / S; j < s1 / S; ++j) {
+              const uint16_t* aj = a + 16 * j * S;
+              const uint8_t* bj = b + (j * S - k0) * 32;
+              if (j & 1)
+                amx_block_odd(aj, part, bj, b1, S, kc, c[1][0], c[1][1]);
+              else
+                amx_block_even(aj, part, bj, b1, S, kc, c[0][0], c[0][1]);
+              if (j > s0 / S) scale(ch, j - 1);  // the block before's, while the tile unit runs this one
+            }
+            scale(ch, s1 / S - 1);
+          }
+        }
+        for (int64_t ch = 0; ch < chunks; ++ch)
+          for (int i = 0; i < nt; ++i)
+            for (int r = 0; r < kAmxRows; ++r)
+              _mm512_storeu_ps(out + (ch * kAmxRows + r) * N + (t0 + i) * kTile,
+                               acc[(ch * kAmxTiles + i) * kAmxRows + r]);
+      }
+    }
+    _tile_release();
+  });
+}
+
+// Decoders of a tile's codes of blocks [b0, b1) to B rows (amx_f32_rows): int4 (int4_tiles' layout: run i of a
+// block holds k = 4i + j in byte j's low nibble and 16 + 4i + j in its high one), 5- and 6-bit
+// (high_bits_tile_f32's), int8 (int8_tiles': run i byte j k = 4i + j, plus 128).
+void decode_int4_bf16(const uint8_t* w, int64_t b0, int64_t b1, uint8_t* rows) {
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    uint8_t* r = rows + (blk - b0) * 16 * 64;
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = _mm512_loadu_si512(w + blk * 256 + 64 * i);
+      for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < 4; j += 2)
+          _mm512_store_si512(r + (8 * h + 2 * i + j / 2) * 64,
+                             bf16_pairs(nibble_float(v, 8 * j + 4 * h).v, nibble_float(v, 8 * j + 8 + 4 * h).v));
+    }
+  }
+}
+
+template <int kBits>
+void decode_high_bits_bf16(const uint8_t* w, const uint8_t* high, int64_t b0, int64_t b1, uint8_t* rows) {
+  constexpr int kHigh = 64 * (kBits - 4);
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    uint8_t* r = rows + (blk - b0) * 16 * 64;
+    const __m512i hv = load64(high + blk * kHigh), h6 = load64(high + blk * kHigh + kHigh - 64);
+    for (int i = 0; i < 4; ++i) {
+      const auto q = high_run<kBits>(load64(w + blk * 256 + 64 * i), hv, h6, i);
+      for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < 4; j += 2)
+          _mm512_store_si512(r + (8 * h + 2 * i + j / 2) * 64,
+                             bf16_pairs(high_float<kBits>(q, j, h).v, high_float<kBits>(q, j + 1, h).v));
+    }
+  }
+}
+
+void decode_int8_bf16(const uint8_t* w, int64_t b0, int64_t b1, uint8_t* rows) {
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    uint8_t* r = rows + (blk - b0) * 16 * 64;
+    for (int i = 0; i < 8; ++i) {
+      const __m512i v = flip_bytes(load64(w + blk * 512 + 64 * i));
+      for (int j = 0; j < 4; j += 2)
+        _mm512_store_si512(r + (2 * i + j / 2) * 64,
+                           bf16_pairs(to_float(signed_byte(v, j)).v, to_float(signed_byte(v, j + 1)).v));
+    }
+  }
+}
+
+// Whether rows of x run on the tile unit (amx_f32_rows): from 16, where this process may use it.
+int64_t amx_f32_row_count(int64_t M) {
+  const char* env = std::getenv("EMBER_CPU_AMX_F32");
+  if (env != nullptr && std::strcmp(env, "0") == 0) return 0;
+  return M >= kAmxRows && amx_ready() ? M / kAmxRows * kAmxRows : 0;
+}
+#endif
+
+#if defined(EMBER_AVX512_VNNI)
+// ---- the float kernels' few rows as three int8 parts (AVX512-VNNI) ----------------------------------------
+//
+// A decode step's row against a GGUF file's codes: converting every code to a float for its FMA bounds the
+// float kernels on cores whose 512-bit units are two 256-bit halves (a Zen 4's 2 threads reach ~25 G weights/s
+// of Q4_K, ~75% of its memory's rate, and less of Q6_K). Here a block of 32 activations is three int8 parts of one
+// scale d = max|x| / 127: x = d (a + b / 254 + c / 254^2), each part the rounding of what the ones before leave,
+// so x is held to within 2^-24 of the block's largest |x| (float32's own rounding is 2^-24 of each |x|), and
+// each part meets the codes in VNNI's integer dot products (64 products an instruction, exact), their int32
+// sums then scaled once a block, in float32. The codes as unsigned bytes: int4 and 5-bit as they are, 6-bit
+// and int8 offset by 32 and 128 (taken back off with each part's sum).
+
+constexpr int64_t kSplitRows = 4;  // rows up to which the float kernels take this path
+constexpr float kSplitBase = 254.f;
+
+// Whether `rows` rows run split (the path can be turned off for comparisons: EMBER_CPU_SPLIT=0).
+bool split_rows(int64_t rows) {
+  const char* env = std::getenv("EMBER_CPU_SPLIT");
+  return rows <= kSplitRows && !(env != nullptr && std::strcmp(env, "0") == 0);
+}
+
+// Row x (K floats) -> its three parts (part p's K codes at xq + p * K), each block's d, and each part's sum of
+// codes over each half block of 16 k (qsum + p * 2KB + h): what the offset codes take back.
+void split_blocks(const float* x, int64_t K, int8_t* xq, float* d, int32_t* qsum) {
+  const int64_t KB = K / kBlock;
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF)), base = _mm512_set1_ps(kSplitBase);
+  for (int64_t b = 0; b < KB; ++b) {
+    __m512 t[2] = {_mm512_loadu_ps(x + b * kBlock), _mm512_loadu_ps(x + b * kBlock + 16)};
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(t[0], magnitude), _mm512_and_ps(t[1], magnitude)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    d[b] = amax / 127.f;
+    for (int h = 0; h < 2; ++h) {
+      __m512 left = _mm512_mul_ps(t[h], inv);
+      for (int p = 0; p < 3; ++p) {
+        const __m512 q = _mm512_roundscale_ps(left, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m512i qi = _mm512_cvtps_epi32(q);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + p * K + b * kBlock + 16 * h), _mm512_cvtsepi32_epi8(qi));
+        qsum[p * 2 * KB + 2 * b + h] = _mm512_reduce_add_epi32(qi);
+        left = _mm512_mul_ps(_mm512_sub_ps(left, q), base);
+      }
+    }
+  }
+}
+
+// A row's three parts, blocks' scales and half blocks' code sums (split_blocks), for `rows` rows.
+struct SplitRows {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> qsum;
+  SplitRows(const float* x, int64_t rows, int64_t K) : q(rows * 3 * K), d(rows * K / kBlock), qsum(rows * 3 * K / 16) {
+    for (int64_t m = 0; m < rows; ++m)
+      split_blocks(x + m * K, K, &q[m * 3 * K], &d[m * K / kBlock], &qsum[m * 3 * K / 16]);
+  }
+};
+
+// Block b's codes of run i (4 of a block; int8: 4 of each half) as unsigned bytes (byte j of a lane: k = 4i + j,
+// and in hi 16 + 4i + j), in int4_tiles', high_bits_tile_f32's or int8_tiles' layout.
+struct CodeWords {
+  __m512i lo, hi;
+};
+template <int kBits>
+inline CodeWords code_words(const uint8_t* w, const uint8_t* high, int64_t b, int i) {
+  if constexpr (kBits == 8) {
+    return {load64(w + b * 512 + 64 * i), load64(w + b * 512 + 64 * (i + 4))};
+  } else if constexpr (kBits == 4) {
+    const __m512i v = load64(w + b * 256 + 64 * i);
+    return {low_nibbles(v), high_nibbles(v)};
+  } else {
+    constexpr int kHigh = 64 * (kBits - 4);
+    const __m512i v = load64(w + b * 256 + 64 * i);
+    const __m512i hv = load64(high + b * kHigh), h6 = load64(high + b * kHigh + kHigh - 64);
+    const QuintRun q = high_run<kBits>(v, hv, h6, i);
+    if constexpr (kBits == 5) {
+      const __m512i mask = _mm512_set1_epi8(0x1F);
+      return {_mm512_and_si512(q.lo, mask), _mm512_and_si512(q.hi, mask)};
+    } else {  // (byte & 63) ^ 32: the signed code plus 32
+      const __m512i mask = _mm512_set1_epi8(0x3F), sign = _mm512_set1_epi8(0x20);
+      return {_mm512_ternarylogic_epi32(q.lo, mask, sign, 0x6A), _mm512_ternarylogic_epi32(q.hi, mask, sign, 0x6A)};
+    }
+  }
+}
+
+// One split row (its parts at xq + p * K, d, qsum) against one tile of kBits codes: out[l] = sum over factor
+// blocks of scale * (the block's sum of q x) + min * xs, the factors a block of S k (16: kHalves, each half of
+// a block of 32 its own; else 32 or an int4 group of S), kStride floats apart (factor_at).
+template <int kBits, bool kHalves, int kStride, typename F>
+void split_tile(const uint8_t* w, const uint8_t* high, F scales, F mins, const int8_t* xq, const float* d,
+                const int32_t* qsum, const float* xs, int64_t K, int64_t S, float* out) {
+  constexpr int32_t kOffset = kBits == 8 ? 128 : kBits == 6 ? 32 : 0;
+  constexpr int kH = kHalves ? 2 : 1;
+  const int64_t KB = K / kBlock, per = kHalves ? 1 : S / kBlock;
+  F16x acc = fzero(), group = fzero();
+  for (int64_t b = 0; b < KB; ++b) {
+    prefetch_ahead(w + b * (kBits == 8 ? 512 : 256), kBits == 8 ? 8 : 4);
+    if constexpr (kBits == 5 || kBits == 6) prefetch_ahead(high + b * 64 * (kBits - 4), kBits - 4);
+    I16 s[kH][3];
+    for (int h = 0; h < kH; ++h)
+      for (int p = 0; p < 3; ++p) s[h][p] = izero();
+    for (int i = 0; i < 4; ++i) {
+      const CodeWords c = code_words<kBits>(w, high, b, i);
+      for (int p = 0; p < 3; ++p) {
+        const int8_t* xb = xq + p * K + b * kBlock + 4 * i;
+        s[0][p] = dot4(s[0][p], c.lo, load4(xb));
+        s[kH - 1][p] = dot4(s[kH - 1][p], c.hi, load4(xb + 16));
+      }
+    }
+    float dp[3] = {d[b], d[b] / kSplitBase, d[b] / (kSplitBase * kSplitBase)};
+    for (int h = 0; h < kH; ++h) {
+      F16x f = fzero();
+      for (int p = 0; p < 3; ++p) {
+        I16 sum = s[h][p];
+        if constexpr (kOffset != 0) {
+          const int32_t* qs = qsum + p * 2 * KB + 2 * b;
+          sum = isub_scalar(sum, kOffset * (kHalves ? qs[h] : qs[0] + qs[1]));
+        }
+        f = fma(to_float(sum), fset(dp[p]), f);
+      }
+      if constexpr (kHalves) {
+        acc = fma(f, factor_at<kStride>(scales, 2 * b + h), acc);
+        if (given(mins)) acc = fma(factor_at<kStride>(mins, 2 * b + h), fset(xs[2 * b + h]), acc);
+      } else {
+        group = fadd(group, f);
+      }
+    }
+    if constexpr (!kHalves) {
+      if ((b + 1) % per == 0) {  // the end of a factor block: scale its sums, add its min term
+        const int64_t g = b / per;
+        acc = fma(group, factor_at<kStride>(scales, g), acc);
+        if (given(mins)) acc = fma(factor_at<kStride>(mins, g), fset(xs[g]), acc);
+        group = fzero();
+      }
+    }
+  }
+  store(out, acc);
+}
+
+// Rows [0, M) of out (N a row; M <= kSplitRows) split: tile(t, row's parts, its d, its qsum, out's row) for
+// every tile and row, threads sharing the tiles.
+template <typename Tile>
+void over_split_rows(const float* x, int64_t M, int64_t K, int64_t tiles, Tile tile) {
+  const SplitRows split(x, M, K);
+  const int64_t KB = K / kBlock;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t m = 0; m < M; ++m)
+        tile(t, m, &split.q[m * 3 * K], &split.d[m * KB], &split.qsum[m * 3 * K / 16]);
+  });
+}
+#endif
+
+// y = x @ w.T in float32 with int4 weights as they are: x not rounded, w = q * scale + min with float32 factors
+// (scale_min (N/16, K/g, 2, 16)), each group's products summed, then scaled. The float linear's values on the
+// dequantized weights but for the order of the sums: a GGUF file's 4-bit weights computed without a float
+// copy of them.
+// With `units`, scale_min holds int8 codes of the factors and units (N/16, K/256, 2, 16) their float32 units
+// (`Coded`).
+at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
+                         int64_t group_size, const std::optional<at::Tensor>& units) {
+  check_operands(x, packed, 256);
+  const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
+  TORCH_CHECK(group_size % kBlock == 0 && K % group_size == 0, "group size ", group_size, " does not tile K = ", K);
+  const int64_t G = K / group_size;
+  auto out = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const std::vector<float> xs = block_sums(xp, M, K, group_size);  // the min term's factors, a group each
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const auto run = [&](const auto& sc, const auto& mn) {  // the tile's scales and mins from each tile's factors
+#if defined(EMBER_AVX512_VNNI)
+    if (split_rows(M)) {
+      over_split_rows(xp, M, K, tiles, [&](int64_t t, int64_t m, const int8_t* q, const float* d, const int32_t* qs) {
+        split_tile<4, false, 2 * kTile>(wp + t * (K / kBlock) * 256, nullptr, sc(t), mn(t), q, d, qs, &xs[m * G], K,
+                                        group_size, op + m * N + t * kTile);
+      });
+      return;
+    }
+#endif
+    int64_t first = 0;  // rows [0, first) on the tile unit
+#if defined(EMBER_AMX_BF16)
+    first = amx_f32_row_count(M);
+    if (first > 0) {
+      const auto decode = [&](int64_t t, int64_t b0, int64_t b1, uint8_t* rows) {
+        decode_int4_bf16(wp + t * (K / kBlock) * 256, b0, b1, rows);
+      };
+      amx_f32_rows<2 * kTile>(xp, first, K, tiles, group_size, decode, sc, mn, xs.data(), op, N);
+    }
+#endif
+    over_tiles(tiles, M - first, [&](auto R, int64_t t, int64_t m) {
+      m += first;
+      int4_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 256, sc(t), mn(t), xp + m * K, &xs[m * G], K,
+                                        group_size, op + m * N + t * kTile, N);
+    });
+  };
+  if (units) {
+    const Coded sc = coded_factors(scale_min, *units, tiles, G, K, 2 * kTile, "scale_min"), mn = sc.shifted(kTile);
+    run([&](int64_t t) { return sc.tile(t, G); }, [&](int64_t t) { return mn.tile(t, G); });
+  } else {
+    const auto floats = [&](auto* type) {
+      const auto* sp = float_factors<std::remove_pointer_t<decltype(type)>>(scale_min, tiles, G, 2 * kTile, "scale_min");
+      run([&](int64_t t) { return sp + t * G * 2 * kTile; }, [&](int64_t t) { return sp + t * G * 2 * kTile + kTile; });
+    };
+    if (scale_min.scalar_type() == at::kHalf)
+      floats(static_cast<at::Half*>(nullptr));
+    else
+      floats(static_cast<float*>(nullptr));
+  }
+  return out;
+}
+
 // The block ops' shared run (int5_gemv_f32, int8_gemv_f32): x and the codes (bytes_per_block a tile's block
 // of 32 k) checked with the factors (N/16, K/block, 16) (float32, float16, or int8 codes with units: `Coded`),
 // the rows' block sums where mins are given, then for each tile t and run of R rows m: tile(R, t, its scales,
 // its mins (none without), the rows' x, their block sums or null, their out).
-template <typename Tile>
+template <typename Tile, typename Decode, typename Split>
 at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t bytes_per_block, const at::Tensor& scales,
                       int64_t block, const std::optional<at::Tensor>& mins,
                       const std::optional<at::Tensor>& scale_units, const std::optional<at::Tensor>& min_units,
-                      Tile tile) {
+                      Tile tile, Decode decode, Split split) {
   check_operands(x, packed, bytes_per_block);
   const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
   TORCH_CHECK(block == 16 || block == 32, "block ", block, " is not 16 or 32");
@@ -1010,7 +1422,29 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t byt
   const std::vector<float> xs = mins ? block_sums(xp, M, K, block) : std::vector<float>();
   float* op = out.data_ptr<float>();
   const auto run = [&](const auto& sc, const auto& mn) {  // the tile's scales and mins from each tile's factors
-    over_tiles(tiles, M, [&](auto R, int64_t t, int64_t m) {
+#if defined(EMBER_AVX512_VNNI)
+    if (split_rows(M)) {
+      over_split_rows(xp, M, K, tiles, [&](int64_t t, int64_t m, const int8_t* q, const float* d, const int32_t* qs) {
+        const float* xr = mins ? xs.data() + m * B : nullptr;
+        if (block == 16)
+          split(std::true_type{}, t, sc(t), mn(t), q, d, qs, xr, op + m * N + t * kTile);
+        else
+          split(std::false_type{}, t, sc(t), mn(t), q, d, qs, xr, op + m * N + t * kTile);
+      });
+      return;
+    }
+#else
+    (void)split;
+#endif
+    int64_t first = 0;  // rows [0, first) on the tile unit
+#if defined(EMBER_AMX_BF16)
+    first = amx_f32_row_count(M);
+    if (first > 0) amx_f32_rows<kTile>(xp, first, K, tiles, block, decode, sc, mn, mins ? xs.data() : nullptr, op, N);
+#else
+    (void)decode;
+#endif
+    over_tiles(tiles, M - first, [&](auto R, int64_t t, int64_t m) {
+      m += first;
       tile(R, t, sc(t), mn(t), xp + m * K, mins ? xs.data() + m * B : nullptr, op + m * N + t * kTile);
     });
   };
@@ -1052,6 +1486,18 @@ at::Tensor high_bits_gemv_f32(const at::Tensor& x, const at::Tensor& packed, con
                     [&](auto R, int64_t t, auto s, auto mn, const float* xr, const float* xs, float* o) {
                       high_bits_tile_f32<decltype(R)::value, kBits>(wp + t * KB * 256, hp + t * KB * kHigh, s, mn,
                                                                     xr, xs, K, block, o, N);
+                    },
+                    [&](int64_t t, int64_t b0, int64_t b1, uint8_t* rows) {
+#if defined(EMBER_AMX_BF16)
+                      decode_high_bits_bf16<kBits>(wp + t * KB * 256, hp + t * KB * kHigh, b0, b1, rows);
+#endif
+                    },
+                    [&](auto halves, int64_t t, auto s, auto mn, const int8_t* q, const float* d, const int32_t* qs,
+                        const float* xs, float* o) {
+#if defined(EMBER_AVX512_VNNI)
+                      split_tile<kBits, decltype(halves)::value, kTile>(wp + t * KB * 256, hp + t * KB * kHigh, s, mn,
+                                                                        q, d, qs, xs, K, block, o);
+#endif
                     });
 }
 
@@ -1081,6 +1527,18 @@ at::Tensor int8_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
   return block_gemv(x, packed, 512, scales, block, mins, scale_units, min_units,
                     [&](auto R, int64_t t, auto s, auto mn, const float* xr, const float* xs, float* o) {
                       int8_tile_f32<decltype(R)::value>(wp + t * KB * 512, s, mn, xr, xs, K, block, o, N);
+                    },
+                    [&](int64_t t, int64_t b0, int64_t b1, uint8_t* rows) {
+#if defined(EMBER_AMX_BF16)
+                      decode_int8_bf16(wp + t * KB * 512, b0, b1, rows);
+#endif
+                    },
+                    [&](auto halves, int64_t t, auto s, auto mn, const int8_t* q, const float* d, const int32_t* qs,
+                        const float* xs, float* o) {
+#if defined(EMBER_AVX512_VNNI)
+                      split_tile<8, decltype(halves)::value, kTile>(wp + t * KB * 512, nullptr, s, mn, q, d, qs, xs, K,
+                                                                    block, o);
+#endif
                     });
 }
 
@@ -1108,8 +1566,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   return out;
 }
 
-#if defined(EMBER_AMX) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define EMBER_AMX_BF16 1
+#if defined(EMBER_AMX_BF16)
 // ---- AMX-BF16: int4 weights as bf16, many rows (prefills) --------------------------------------------------
 //
 // int4_gemm_bf16: y = x @ w.T with x rounded to bf16 and w = q * scale + min (float16 factors) rounded to bf16,
