@@ -11,6 +11,10 @@ logits of the last position only).
 
     PYTHONPATH=src taskset -c 0,1 python benchmarks/cpu_interleaved.py --scheme int4-g32 --rounds 5
     PYTHONPATH=src taskset -c 0,1 python benchmarks/cpu_interleaved.py --turns round --rounds 9
+    PYTHONPATH=src taskset -c 0,1 python benchmarks/cpu_interleaved.py --gguf FILE --scheme default
+
+`--gguf FILE` runs another GGUF file (both engines; say `gguf_requantize.py --shape llama-3.2-1b`'s) in place of
+the default model's.
 
 Step by step, each engine's step starts with the other's weights in the caches; `--turns round` runs one
 engine's steps of a round together, then the other's (drift then cancels only over rounds, so take more).
@@ -64,6 +68,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--transformers", action="store_true", help="also time transformers' prefill in turn")
+    ap.add_argument("--gguf", default=None, help="a GGUF file for both engines (default: the default model's)")
     ap.add_argument(
         "--turns",
         choices=["step", "round"],
@@ -73,9 +78,12 @@ def main() -> None:
         "other's)",
     )
     args = ap.parse_args()
+    if args.gguf and args.transformers:
+        ap.error("--transformers times the default model's prefill: not with --gguf")
     torch.set_num_threads(args.threads)
     scheme = None if args.scheme == "default" else args.scheme
-    loaded = load(DEFAULT_MODEL, device="cpu", progress=False, quantize=scheme)
+    path = args.gguf or str(resolve(DEFAULT_MODEL).path)
+    loaded = load(path, device="cpu", progress=False, quantize=scheme)
     prompt = torch.randint(3, loaded.config.vocab_size, (128,), generator=torch.Generator().manual_seed(0))
     prompt = prompt.tolist()
     params = SamplingParams(max_tokens=args.new_tokens + 1, temperature=0.0, ignore_eos=True)
@@ -83,7 +91,7 @@ def main() -> None:
         f"Ember {args.scheme} (compiled)": Generator(
             loaded.model, device=torch.device("cpu"), context=512, compile=True, compile_prefill=True
         ),
-        "llama.cpp (GGUF weights)": LlamaCppSteps(str(resolve(DEFAULT_MODEL).path), args.threads),
+        "llama.cpp (GGUF weights)": LlamaCppSteps(path, args.threads),
     }
     for name, engine in engines.items():  # warm-up: compiles (or loads the compiled step)
         t = time.perf_counter()

@@ -272,13 +272,15 @@ def test_int5_gemv_f32_is_the_float_linear_on_the_5bit_weights(ops, rows, block,
     "kind,block,with_mins", [("int4", 32, True), ("int8", 32, False), ("int6", 16, True), ("int5", 32, True)]
 )
 @pytest.mark.parametrize("rows", [1, 4])
-def test_float_kernels_few_rows_multiply_three_int8_parts_of_x(monkeypatch, kind, block, with_mins, rows):
-    """Up to 4 rows on AVX512-VNNI: each block of 32 activations as three int8 parts of one scale, multiplied by
-    the codes in integer dot products, so x is held to 2^-24 of its block's largest |x|: the float64 linear
-    within float32's error even beside an outlier 10^4 times its block, though not the FMA path's bits."""
-    if "avx512_vnni" not in cpu_ext.cpu_flags() or not cpu_ext.available():
-        pytest.skip("the split path is built for AVX512-VNNI")
-    ops = torch.ops.ember_cpu
+def test_float_kernels_few_rows_multiply_three_int8_parts_of_x(
+    ops, monkeypatch, kind, block, with_mins, rows
+):
+    """Up to 4 rows (AVX512-VNNI, AVX-VNNI or AVX2): each block of 32 activations as three int8 parts of one
+    scale, multiplied by the codes in integer dot products, so x is held to 2^-24 of its block's largest |x|:
+    the float64 linear within float32's error even beside an outlier 10^4 times its block, though not the FMA
+    path's bits."""
+    if ops.simd() == "scalar":
+        pytest.skip("the portable build keeps float FMAs")
     g = torch.Generator().manual_seed(rows + block)
     N, K = 48, 512
     x = activations(rows, K)

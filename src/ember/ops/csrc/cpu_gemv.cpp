@@ -1193,8 +1193,9 @@ int64_t amx_f32_row_count(int64_t M) {
 }
 #endif
 
-#if defined(EMBER_AVX512_VNNI)
-// ---- the float kernels' few rows as three int8 parts (AVX512-VNNI) ----------------------------------------
+#if defined(EMBER_AVX512_VNNI) || defined(EMBER_AVX2)
+#define EMBER_SPLIT 1
+// ---- the float kernels' few rows as three int8 parts (AVX512-VNNI, AVX-VNNI or AVX2) ----------------------
 //
 // A decode step's row against a GGUF file's codes: converting every code to a float for its FMA bounds the
 // float kernels on cores whose 512-bit units are two 256-bit halves (a Zen 4's 2 threads reach ~25 G weights/s
@@ -1218,6 +1219,28 @@ bool split_rows(int64_t rows) {
 // codes over each half block of 16 k (qsum + p * 2KB + h): what the offset codes take back.
 void split_blocks(const float* x, int64_t K, int8_t* xq, float* d, int32_t* qsum) {
   const int64_t KB = K / kBlock;
+#if !defined(EMBER_AVX512_VNNI)
+  for (int64_t b = 0; b < KB; ++b) {
+    float amax = 0.f;
+    for (int t = 0; t < kBlock; ++t) amax = std::max(amax, std::fabs(x[b * kBlock + t]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    d[b] = amax / 127.f;
+    for (int h = 0; h < 2; ++h) {
+      float left[16];
+      for (int t = 0; t < 16; ++t) left[t] = x[b * kBlock + 16 * h + t] * inv;
+      for (int p = 0; p < 3; ++p) {
+        int32_t sum = 0;
+        for (int t = 0; t < 16; ++t) {
+          const float q = std::nearbyint(left[t]);
+          xq[p * K + b * kBlock + 16 * h + t] = static_cast<int8_t>(q);
+          sum += static_cast<int32_t>(q);
+          left[t] = (left[t] - q) * kSplitBase;
+        }
+        qsum[p * 2 * KB + 2 * b + h] = sum;
+      }
+    }
+  }
+#else
   const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF)), base = _mm512_set1_ps(kSplitBase);
   for (int64_t b = 0; b < KB; ++b) {
     __m512 t[2] = {_mm512_loadu_ps(x + b * kBlock), _mm512_loadu_ps(x + b * kBlock + 16)};
@@ -1235,6 +1258,7 @@ void split_blocks(const float* x, int64_t K, int8_t* xq, float* d, int32_t* qsum
       }
     }
   }
+#endif
 }
 
 // A row's three parts, blocks' scales and half blocks' code sums (split_blocks), for `rows` rows.
@@ -1250,18 +1274,45 @@ struct SplitRows {
 
 // Block b's codes of run i (4 of a block; int8: 4 of each half) as unsigned bytes (byte j of a lane: k = 4i + j,
 // and in hi 16 + 4i + j), in int4_tiles', high_bits_tile_f32's or int8_tiles' layout.
+#if defined(EMBER_AVX512_VNNI)
 struct CodeWords {
   __m512i lo, hi;
 };
+#else
+struct CodeWords {
+  W64 lo, hi;
+};
+// The 5- or 6-bit codes of run i as bytes: the nibbles, the fifth bits (bit 8j + i of h: lo, 8j + 4 + i: hi) at
+// bit 4, and with 6 bits the sixth (from h6 alike) at bit 5, then offset by 32 (byte ^ 32: 0..63).
+template <int kBits>
+inline __m256i high_bytes(__m256i v, __m256i h, __m256i h6, int i, int half) {
+  const __m256i nibble = _mm256_and_si256(half ? _mm256_srli_epi32(v, 4) : v, _mm256_set1_epi8(0x0F));
+  const __m256i h_at = half ? _mm256_srli_epi32(h, i) : _mm256_slli_epi32(h, 4 - i);  // bit 8j + 4
+  __m256i code = _mm256_or_si256(nibble, _mm256_and_si256(h_at, _mm256_set1_epi8(0x10)));
+  if constexpr (kBits == 6) {
+    const int at = half ? 4 + i : i;  // the sixth bit's place in its byte, to go to 5
+    const __m256i h6_at = at <= 5 ? _mm256_slli_epi32(h6, 5 - at) : _mm256_srli_epi32(h6, at - 5);
+    code = _mm256_xor_si256(_mm256_or_si256(code, _mm256_and_si256(h6_at, _mm256_set1_epi8(0x20))),
+                            _mm256_set1_epi8(0x20));
+  }
+  return code;
+}
+#endif
 template <int kBits>
 inline CodeWords code_words(const uint8_t* w, const uint8_t* high, int64_t b, int i) {
   if constexpr (kBits == 8) {
     return {load64(w + b * 512 + 64 * i), load64(w + b * 512 + 64 * (i + 4))};
   } else if constexpr (kBits == 4) {
-    const __m512i v = load64(w + b * 256 + 64 * i);
+    const auto v = load64(w + b * 256 + 64 * i);
     return {low_nibbles(v), high_nibbles(v)};
   } else {
     constexpr int kHigh = 64 * (kBits - 4);
+#if !defined(EMBER_AVX512_VNNI)
+    const W64 v = load64(w + b * 256 + 64 * i);
+    const W64 hv = load64(high + b * kHigh), h6 = load64(high + b * kHigh + kHigh - 64);
+    return {{high_bytes<kBits>(v.lo, hv.lo, h6.lo, i, 0), high_bytes<kBits>(v.hi, hv.hi, h6.hi, i, 0)},
+            {high_bytes<kBits>(v.lo, hv.lo, h6.lo, i, 1), high_bytes<kBits>(v.hi, hv.hi, h6.hi, i, 1)}};
+#else
     const __m512i v = load64(w + b * 256 + 64 * i);
     const __m512i hv = load64(high + b * kHigh), h6 = load64(high + b * kHigh + kHigh - 64);
     const QuintRun q = high_run<kBits>(v, hv, h6, i);
@@ -1272,6 +1323,7 @@ inline CodeWords code_words(const uint8_t* w, const uint8_t* high, int64_t b, in
       const __m512i mask = _mm512_set1_epi8(0x3F), sign = _mm512_set1_epi8(0x20);
       return {_mm512_ternarylogic_epi32(q.lo, mask, sign, 0x6A), _mm512_ternarylogic_epi32(q.hi, mask, sign, 0x6A)};
     }
+#endif
   }
 }
 
@@ -1281,7 +1333,8 @@ inline CodeWords code_words(const uint8_t* w, const uint8_t* high, int64_t b, in
 template <int kBits, bool kHalves, int kStride, typename F>
 void split_tile(const uint8_t* w, const uint8_t* high, F scales, F mins, const int8_t* xq, const float* d,
                 const int32_t* qsum, const float* xs, int64_t K, int64_t S, float* out) {
-  constexpr int32_t kOffset = kBits == 8 ? 128 : kBits == 6 ? 32 : 0;
+  // int8 codes are stored plus 128 (AVX2's int8 product takes them signed: no offset), 6-bit ones made so above
+  constexpr int32_t kOffset = kBits == 8 ? (kInt8Offset ? 128 : 0) : kBits == 6 ? 32 : 0;
   constexpr int kH = kHalves ? 2 : 1;
   const int64_t KB = K / kBlock, per = kHalves ? 1 : S / kBlock;
   F16x acc = fzero(), group = fzero();
@@ -1295,8 +1348,13 @@ void split_tile(const uint8_t* w, const uint8_t* high, F scales, F mins, const i
       const CodeWords c = code_words<kBits>(w, high, b, i);
       for (int p = 0; p < 3; ++p) {
         const int8_t* xb = xq + p * K + b * kBlock + 4 * i;
-        s[0][p] = dot4(s[0][p], c.lo, load4(xb));
-        s[kH - 1][p] = dot4(s[kH - 1][p], c.hi, load4(xb + 16));
+        if constexpr (kBits == 8) {
+          s[0][p] = dot4_int8(s[0][p], c.lo, load4(xb));
+          s[kH - 1][p] = dot4_int8(s[kH - 1][p], c.hi, load4(xb + 16));
+        } else {
+          s[0][p] = dot4(s[0][p], c.lo, load4(xb));
+          s[kH - 1][p] = dot4(s[kH - 1][p], c.hi, load4(xb + 16));
+        }
       }
     }
     float dp[3] = {d[b], d[b] / kSplitBase, d[b] / (kSplitBase * kSplitBase)};
@@ -1361,7 +1419,7 @@ at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const auto run = [&](const auto& sc, const auto& mn) {  // the tile's scales and mins from each tile's factors
-#if defined(EMBER_AVX512_VNNI)
+#if defined(EMBER_SPLIT)
     if (split_rows(M)) {
       over_split_rows(xp, M, K, tiles, [&](int64_t t, int64_t m, const int8_t* q, const float* d, const int32_t* qs) {
         split_tile<4, false, 2 * kTile>(wp + t * (K / kBlock) * 256, nullptr, sc(t), mn(t), q, d, qs, &xs[m * G], K,
@@ -1422,7 +1480,7 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t byt
   const std::vector<float> xs = mins ? block_sums(xp, M, K, block) : std::vector<float>();
   float* op = out.data_ptr<float>();
   const auto run = [&](const auto& sc, const auto& mn) {  // the tile's scales and mins from each tile's factors
-#if defined(EMBER_AVX512_VNNI)
+#if defined(EMBER_SPLIT)
     if (split_rows(M)) {
       over_split_rows(xp, M, K, tiles, [&](int64_t t, int64_t m, const int8_t* q, const float* d, const int32_t* qs) {
         const float* xr = mins ? xs.data() + m * B : nullptr;
@@ -1494,7 +1552,7 @@ at::Tensor high_bits_gemv_f32(const at::Tensor& x, const at::Tensor& packed, con
                     },
                     [&](auto halves, int64_t t, auto s, auto mn, const int8_t* q, const float* d, const int32_t* qs,
                         const float* xs, float* o) {
-#if defined(EMBER_AVX512_VNNI)
+#if defined(EMBER_SPLIT)
                       split_tile<kBits, decltype(halves)::value, kTile>(wp + t * KB * 256, hp + t * KB * kHigh, s, mn,
                                                                         q, d, qs, xs, K, block, o);
 #endif
@@ -1535,7 +1593,7 @@ at::Tensor int8_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
                     },
                     [&](auto halves, int64_t t, auto s, auto mn, const int8_t* q, const float* d, const int32_t* qs,
                         const float* xs, float* o) {
-#if defined(EMBER_AVX512_VNNI)
+#if defined(EMBER_SPLIT)
                       split_tile<8, decltype(halves)::value, kTile>(wp + t * KB * 512, nullptr, s, mn, q, d, qs, xs, K,
                                                                     block, o);
 #endif
