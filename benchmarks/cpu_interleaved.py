@@ -68,7 +68,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--transformers", action="store_true", help="also time transformers' prefill in turn")
-    ap.add_argument("--gguf", default=None, help="a GGUF file for both engines (default: the default model's)")
+    ap.add_argument(
+        "--gguf", default=None, help="a GGUF file for both engines (default: the default model's)"
+    )
     ap.add_argument(
         "--turns",
         choices=["step", "round"],
