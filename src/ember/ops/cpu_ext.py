@@ -4,10 +4,10 @@
   and int8 weights, with the activations' int8 codes multiplied by the weights' codes in integer dot products
   (AVX512-VNNI, AVX-VNNI or AVX2);
 - `int4_gemv_f32`, `int8_gemv_f32`, `int5_gemv_f32` and `int6_gemv_f32` (`csrc/cpu_gemv.cpp`): float activations
-  as they are against a GGUF file's own codes in 4, 8, 5 or 6 bits a weight, float32 products and sums (the
-  dequantized weights' float linear but for the order of the sums); their factors float32, float16 or int8 codes
+  against a GGUF file's own codes in 4, 8, 5 or 6 bits a weight, float32 products and sums (the dequantized
+  weights' float linear to float32's precision); their factors float32, float16 or int8 codes
   of a unit a run of 256 k, whichever holds them exactly in the fewest bytes (`compact_factors`). Up to 4 rows
-  on AVX512-VNNI, x is taken as three int8 parts of each block of 32's scale (held to 2^-24 of the block's
+  on AVX512-VNNI, AVX-VNNI or AVX2, x is taken as three int8 parts of each block of 32's scale (held to 2^-24 of the block's
   largest |x|) multiplied in integer dot products (EMBER_CPU_SPLIT=0: float FMAs); from 16 rows on AMX-BF16,
   as three bf16 parts on the tile unit (exact products, float32 sums; EMBER_CPU_AMX_F32=0: the vector path);
 - `int4_gemm_bf16` (`csrc/cpu_gemv.cpp`, on CPUs with AMX-BF16: Sapphire Rapids and later): a prefill's

@@ -317,7 +317,8 @@ class Int4WeightOnlyLinear(QuantLinear):
         self._whole_rows = False  # set by `prepare` (`fused_silu_gate_up`)
         # The float linear's values on the dequantized weights (a checkpoint's own 4-bit weights kept as they
         # are, `ember.loading.weights.build_model(keep_codes=True)`): on a CPU, `cpu_ext.int4_gemv_f32`, never
-        # the kernels that round the activations (to int8 codes or bf16). Set before `prepare`.
+        # the kernels that round the activations (to one int8 code or bf16: the float kernel's few rows take x
+        # as three int8 parts, its many as three bf16 parts, to float32's precision). Set before `prepare`.
         self.float_activations = False
 
     @classmethod
@@ -419,7 +420,7 @@ class Int4WeightOnlyLinear(QuantLinear):
           time of the dequantize + bf16 GEMM path below (BENCHMARKS.md).
         - "cpu_f32": with `float_activations`, on CPUs where "cpu_dot" runs and in float32, Ember's C++ kernel
           for float activations (`cpu_ext.int4_gemv_f32`): the float linear's values on the dequantized weights
-          but for the order of the sums, from 4.5-6 bits a weight instead of 32.
+          to float32's precision (x as three int8 or bf16 parts, or as it is), from 4.5-6 bits a weight, not 32.
         - "tinygemm": torch's int4 kernels (`_weight_int4pack_mm*`, `tinygemm_layout`), on other CPUs where N is
           a multiple of 16 (the CPU packing's rows), and on CUDA for bf16 projections that do not tile.
         - "triton": Ember's canonical-layout GEMV for the rest (on CPU: dequantize and matmul).
