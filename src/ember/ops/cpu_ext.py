@@ -6,10 +6,11 @@
 - `int4_gemv_f32`, `int8_gemv_f32`, `int5_gemv_f32` and `int6_gemv_f32` (`csrc/cpu_gemv.cpp`): float activations
   against a GGUF file's own codes in 4, 8, 5 or 6 bits a weight, float32 products and sums (the dequantized
   weights' float linear to float32's precision); their factors float32, float16 or int8 codes
-  of a unit a run of 256 k, whichever holds them exactly in the fewest bytes (`compact_factors`). Up to 4 rows
-  on AVX512-VNNI, AVX-VNNI or AVX2, x is taken as three int8 parts of each block of 32's scale (held to 2^-24 of the block's
-  largest |x|) multiplied in integer dot products (EMBER_CPU_SPLIT=0: float FMAs); from 16 rows on AMX-BF16,
-  as three bf16 parts on the tile unit (exact products, float32 sums; EMBER_CPU_AMX_F32=0: the vector path);
+  of a unit a run of 256 k, whichever holds them exactly in the fewest bytes (`compact_factors`). One or two
+  rows (a decode step's) on AVX512-VNNI, AVX-VNNI or AVX2 take x as three int8 parts of each block of 32's scale
+  (held to 2^-24 of the block's largest |x|) in integer dot products (EMBER_CPU_SPLIT=0: float FMAs); from 16
+  rows on AMX-BF16, as three bf16 parts on the tile unit (exact products, float32 sums; EMBER_CPU_AMX_F32=0:
+  the vector path);
 - `int4_gemm_bf16` (`csrc/cpu_gemv.cpp`, on CPUs with AMX-BF16: Sapphire Rapids and later): a prefill's
   rows against int4 weights on the tile unit, the weights dequantized to bf16 a tile at a time and x rounded
   to bf16, float32 sums; from `AMX_BF16_ROWS` rows it takes 0.47-0.98x the time of `int4_gemv` (which itself

@@ -1206,13 +1206,17 @@ int64_t amx_f32_row_count(int64_t M) {
 // sums then scaled once a block, in float32. The codes as unsigned bytes: int4 and 5-bit as they are, 6-bit
 // and int8 offset by 32 and 128 (taken back off with each part's sum).
 
-constexpr int64_t kSplitRows = 4;  // rows up to which the float kernels take this path
 constexpr float kSplitBase = 254.f;
 
-// Whether `rows` rows run split (the path can be turned off for comparisons: EMBER_CPU_SPLIT=0).
-bool split_rows(int64_t rows) {
+// Rows up to which the rows the tile unit does not take run split: past them the FMA path, whose code conversions
+// serve up to 8 rows at once, is as fast or faster (one row against a 1B model's projections on Zen 4, split
+// against FMAs: 1.09-1.52x; two rows 1.01-1.07x; four 0.90-0.94x; its 128-row prefill 73.6 tok/s to 79.8).
+constexpr int64_t kSplitRows = 2;
+
+// Whether the split path runs (EMBER_CPU_SPLIT=0: float FMAs, for comparisons).
+bool split_on() {
   const char* env = std::getenv("EMBER_CPU_SPLIT");
-  return rows <= kSplitRows && !(env != nullptr && std::strcmp(env, "0") == 0);
+  return !(env != nullptr && std::strcmp(env, "0") == 0);
 }
 
 // Row x (K floats) -> its three parts (part p's K codes at xq + p * K), each block's d, and each part's sum of
@@ -1267,8 +1271,10 @@ struct SplitRows {
   std::vector<float> d;
   std::vector<int32_t> qsum;
   SplitRows(const float* x, int64_t rows, int64_t K) : q(rows * 3 * K), d(rows * K / kBlock), qsum(rows * 3 * K / 16) {
-    for (int64_t m = 0; m < rows; ++m)
-      split_blocks(x + m * K, K, &q[m * 3 * K], &d[m * K / kBlock], &qsum[m * 3 * K / 16]);
+    at::parallel_for(0, rows, kQuantizeRows, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m)
+        split_blocks(x + m * K, K, &q[m * 3 * K], &d[m * K / kBlock], &qsum[m * 3 * K / 16]);
+    });
   }
 };
 
@@ -1327,76 +1333,106 @@ inline CodeWords code_words(const uint8_t* w, const uint8_t* high, int64_t b, in
   }
 }
 
-// One split row (its parts at xq + p * K, d, qsum) against one tile of kBits codes: out[l] = sum over factor
-// blocks of scale * (the block's sum of q x) + min * xs, the factors a block of S k (16: kHalves, each half of
-// a block of 32 its own; else 32 or an int4 group of S), kStride floats apart (factor_at).
-template <int kBits, bool kHalves, int kStride, typename F>
+// R split rows (row r's parts at xq + r * 3K + p * K, d + r * KB, qsum + r * 6KB) against one tile of kBits
+// codes, the codes' bytes made once for all R: out[r * N + l] = sum over factor blocks of scale * (the block's
+// sum of q x) + min * xs (xs + r * B), the factors a block of S k (16: kHalves, each half of a block of 32 its
+// own; else 32 or an int4 group of S), kStride floats apart (factor_at).
+template <int R, int kBits, bool kHalves, int kStride, typename F>
 void split_tile(const uint8_t* w, const uint8_t* high, F scales, F mins, const int8_t* xq, const float* d,
-                const int32_t* qsum, const float* xs, int64_t K, int64_t S, float* out) {
+                const int32_t* qsum, const float* xs, int64_t K, int64_t S, float* out, int64_t N) {
   // int8 codes are stored plus 128 (AVX2's int8 product takes them signed: no offset), 6-bit ones made so above
   constexpr int32_t kOffset = kBits == 8 ? (kInt8Offset ? 128 : 0) : kBits == 6 ? 32 : 0;
   constexpr int kH = kHalves ? 2 : 1;
-  const int64_t KB = K / kBlock, per = kHalves ? 1 : S / kBlock;
-  F16x acc = fzero(), group = fzero();
+  const int64_t KB = K / kBlock, per = kHalves ? 1 : S / kBlock, B = kHalves ? 2 * KB : KB / per;
+  F16x acc[R], group[R];
+  for (int r = 0; r < R; ++r) acc[r] = group[r] = fzero();
   for (int64_t b = 0; b < KB; ++b) {
     prefetch_ahead(w + b * (kBits == 8 ? 512 : 256), kBits == 8 ? 8 : 4);
     if constexpr (kBits == 5 || kBits == 6) prefetch_ahead(high + b * 64 * (kBits - 4), kBits - 4);
-    I16 s[kH][3];
-    for (int h = 0; h < kH; ++h)
-      for (int p = 0; p < 3; ++p) s[h][p] = izero();
+    I16 s[R][kH][3];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < kH; ++h)
+        for (int p = 0; p < 3; ++p) s[r][h][p] = izero();
     for (int i = 0; i < 4; ++i) {
       const CodeWords c = code_words<kBits>(w, high, b, i);
-      for (int p = 0; p < 3; ++p) {
-        const int8_t* xb = xq + p * K + b * kBlock + 4 * i;
-        if constexpr (kBits == 8) {
-          s[0][p] = dot4_int8(s[0][p], c.lo, load4(xb));
-          s[kH - 1][p] = dot4_int8(s[kH - 1][p], c.hi, load4(xb + 16));
-        } else {
-          s[0][p] = dot4(s[0][p], c.lo, load4(xb));
-          s[kH - 1][p] = dot4(s[kH - 1][p], c.hi, load4(xb + 16));
+      for (int r = 0; r < R; ++r) {
+        for (int p = 0; p < 3; ++p) {
+          const int8_t* xb = xq + r * 3 * K + p * K + b * kBlock + 4 * i;
+          if constexpr (kBits == 8) {
+            s[r][0][p] = dot4_int8(s[r][0][p], c.lo, load4(xb));
+            s[r][kH - 1][p] = dot4_int8(s[r][kH - 1][p], c.hi, load4(xb + 16));
+          } else {
+            s[r][0][p] = dot4(s[r][0][p], c.lo, load4(xb));
+            s[r][kH - 1][p] = dot4(s[r][kH - 1][p], c.hi, load4(xb + 16));
+          }
         }
       }
     }
-    float dp[3] = {d[b], d[b] / kSplitBase, d[b] / (kSplitBase * kSplitBase)};
-    for (int h = 0; h < kH; ++h) {
-      F16x f = fzero();
-      for (int p = 0; p < 3; ++p) {
-        I16 sum = s[h][p];
-        if constexpr (kOffset != 0) {
-          const int32_t* qs = qsum + p * 2 * KB + 2 * b;
-          sum = isub_scalar(sum, kOffset * (kHalves ? qs[h] : qs[0] + qs[1]));
+    for (int r = 0; r < R; ++r) {
+      const float dr = d[r * KB + b];
+      const float dp[3] = {dr, dr / kSplitBase, dr / (kSplitBase * kSplitBase)};
+      for (int h = 0; h < kH; ++h) {
+        F16x f = fzero();
+        for (int p = 0; p < 3; ++p) {
+          I16 sum = s[r][h][p];
+          if constexpr (kOffset != 0) {
+            const int32_t* qs = qsum + r * 6 * KB + p * 2 * KB + 2 * b;
+            sum = isub_scalar(sum, kOffset * (kHalves ? qs[h] : qs[0] + qs[1]));
+          }
+          f = fma(to_float(sum), fset(dp[p]), f);
         }
-        f = fma(to_float(sum), fset(dp[p]), f);
-      }
-      if constexpr (kHalves) {
-        acc = fma(f, factor_at<kStride>(scales, 2 * b + h), acc);
-        if (given(mins)) acc = fma(factor_at<kStride>(mins, 2 * b + h), fset(xs[2 * b + h]), acc);
-      } else {
-        group = fadd(group, f);
+        if constexpr (kHalves) {
+          acc[r] = fma(f, factor_at<kStride>(scales, 2 * b + h), acc[r]);
+          if (given(mins)) acc[r] = fma(factor_at<kStride>(mins, 2 * b + h), fset(xs[r * B + 2 * b + h]), acc[r]);
+        } else {
+          group[r] = fadd(group[r], f);
+        }
       }
     }
     if constexpr (!kHalves) {
       if ((b + 1) % per == 0) {  // the end of a factor block: scale its sums, add its min term
         const int64_t g = b / per;
-        acc = fma(group, factor_at<kStride>(scales, g), acc);
-        if (given(mins)) acc = fma(factor_at<kStride>(mins, g), fset(xs[g]), acc);
-        group = fzero();
+        const F16x scale = factor_at<kStride>(scales, g);
+        for (int r = 0; r < R; ++r) {
+          acc[r] = fma(group[r], scale, acc[r]);
+          if (given(mins)) acc[r] = fma(factor_at<kStride>(mins, g), fset(xs[r * B + g]), acc[r]);
+          group[r] = fzero();
+        }
       }
     }
   }
-  store(out, acc);
+  for (int r = 0; r < R; ++r) store(out + r * N, acc[r]);
 }
 
-// Rows [0, M) of out (N a row; M <= kSplitRows) split: tile(t, row's parts, its d, its qsum, out's row) for
-// every tile and row, threads sharing the tiles.
-template <typename Tile>
-void over_split_rows(const float* x, int64_t M, int64_t K, int64_t tiles, Tile tile) {
+// Rows of split x a tile meets at once (kSplitRows at most): with blocks of 16 (two halves' sums a part) on AVX2,
+// whose registers are half as wide, one, so that the sums stay in registers.
+#if defined(EMBER_AVX512_VNNI)
+constexpr int kSplitRun = 2, kSplitRunHalves = 2;
+#else
+constexpr int kSplitRun = 2, kSplitRunHalves = 1;
+#endif
+
+// Calls tile(R, first row) for rows [0, M) in runs of at most kRun.
+template <int kRun, typename Tile>
+void split_runs(int64_t M, const Tile& tile) {
+  int64_t m = 0;
+  for (; m + kRun <= M; m += kRun) tile(std::integral_constant<int, kRun>{}, m);
+  if constexpr (kRun > 1) {
+    if (M - m > 0) split_runs<kRun - 1>(M - m, [&](auto R, int64_t first) { tile(R, m + first); });
+  }
+}
+
+// All M rows of out split: tile(R, t, first row, its parts, d, qsum) for every tile and run of R rows (at most
+// kRun), threads sharing the tiles.
+template <int kRun, typename Tile>
+void over_split_rows(const float* x, int64_t M, int64_t K, int64_t tiles, const Tile& tile) {
   const SplitRows split(x, M, K);
   const int64_t KB = K / kBlock;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      for (int64_t m = 0; m < M; ++m)
-        tile(t, m, &split.q[m * 3 * K], &split.d[m * KB], &split.qsum[m * 3 * K / 16]);
+      split_runs<kRun>(M, [&](auto R, int64_t m) {
+        tile(R, t, m, &split.q[m * 3 * K], &split.d[m * KB], &split.qsum[m * 3 * K / 16]);
+      });
   });
 }
 #endif
@@ -1419,15 +1455,6 @@ at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   const auto run = [&](const auto& sc, const auto& mn) {  // the tile's scales and mins from each tile's factors
-#if defined(EMBER_SPLIT)
-    if (split_rows(M)) {
-      over_split_rows(xp, M, K, tiles, [&](int64_t t, int64_t m, const int8_t* q, const float* d, const int32_t* qs) {
-        split_tile<4, false, 2 * kTile>(wp + t * (K / kBlock) * 256, nullptr, sc(t), mn(t), q, d, qs, &xs[m * G], K,
-                                        group_size, op + m * N + t * kTile);
-      });
-      return;
-    }
-#endif
     int64_t first = 0;  // rows [0, first) on the tile unit
 #if defined(EMBER_AMX_BF16)
     first = amx_f32_row_count(M);
@@ -1436,6 +1463,19 @@ at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
         decode_int4_bf16(wp + t * (K / kBlock) * 256, b0, b1, rows);
       };
       amx_f32_rows<2 * kTile>(xp, first, K, tiles, group_size, decode, sc, mn, xs.data(), op, N);
+    }
+#endif
+    if (first == M) return;
+#if defined(EMBER_SPLIT)
+    if (split_on() && M - first <= kSplitRows) {  // the rows left, a few
+      over_split_rows<kSplitRun>(xp + first * K, M - first, K, tiles, [&](auto R, int64_t t, int64_t m,
+                                                                          const int8_t* q, const float* d,
+                                                                          const int32_t* qs) {
+        m += first;
+        split_tile<decltype(R)::value, 4, false, 2 * kTile>(wp + t * (K / kBlock) * 256, nullptr, sc(t), mn(t), q, d,
+                                                            qs, &xs[m * G], K, group_size, op + m * N + t * kTile, N);
+      });
+      return;
     }
 #endif
     over_tiles(tiles, M - first, [&](auto R, int64_t t, int64_t m) {
@@ -1480,26 +1520,33 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t byt
   const std::vector<float> xs = mins ? block_sums(xp, M, K, block) : std::vector<float>();
   float* op = out.data_ptr<float>();
   const auto run = [&](const auto& sc, const auto& mn) {  // the tile's scales and mins from each tile's factors
-#if defined(EMBER_SPLIT)
-    if (split_rows(M)) {
-      over_split_rows(xp, M, K, tiles, [&](int64_t t, int64_t m, const int8_t* q, const float* d, const int32_t* qs) {
-        const float* xr = mins ? xs.data() + m * B : nullptr;
-        if (block == 16)
-          split(std::true_type{}, t, sc(t), mn(t), q, d, qs, xr, op + m * N + t * kTile);
-        else
-          split(std::false_type{}, t, sc(t), mn(t), q, d, qs, xr, op + m * N + t * kTile);
-      });
-      return;
-    }
-#else
-    (void)split;
-#endif
     int64_t first = 0;  // rows [0, first) on the tile unit
 #if defined(EMBER_AMX_BF16)
     first = amx_f32_row_count(M);
     if (first > 0) amx_f32_rows<kTile>(xp, first, K, tiles, block, decode, sc, mn, mins ? xs.data() : nullptr, op, N);
 #else
     (void)decode;
+#endif
+    if (first == M) return;
+#if defined(EMBER_SPLIT)
+    if (split_on() && M - first <= kSplitRows) {  // the rows left, a few
+      const auto run_split = [&](auto halves, auto run) {
+        over_split_rows<decltype(run)::value>(xp + first * K, M - first, K, tiles, [&](auto R, int64_t t, int64_t m,
+                                                                                       const int8_t* q, const float* d,
+                                                                                       const int32_t* qs) {
+          m += first;
+          const float* xr = mins ? xs.data() + m * B : nullptr;
+          split(R, halves, t, sc(t), mn(t), q, d, qs, xr, op + m * N + t * kTile);
+        });
+      };
+      if (block == 16)
+        run_split(std::true_type{}, std::integral_constant<int, kSplitRunHalves>{});
+      else
+        run_split(std::false_type{}, std::integral_constant<int, kSplitRun>{});
+      return;
+    }
+#else
+    (void)split;
 #endif
     over_tiles(tiles, M - first, [&](auto R, int64_t t, int64_t m) {
       m += first;
@@ -1550,11 +1597,11 @@ at::Tensor high_bits_gemv_f32(const at::Tensor& x, const at::Tensor& packed, con
                       decode_high_bits_bf16<kBits>(wp + t * KB * 256, hp + t * KB * kHigh, b0, b1, rows);
 #endif
                     },
-                    [&](auto halves, int64_t t, auto s, auto mn, const int8_t* q, const float* d, const int32_t* qs,
-                        const float* xs, float* o) {
+                    [&](auto R, auto halves, int64_t t, auto s, auto mn, const int8_t* q, const float* d,
+                        const int32_t* qs, const float* xs, float* o) {
 #if defined(EMBER_SPLIT)
-                      split_tile<kBits, decltype(halves)::value, kTile>(wp + t * KB * 256, hp + t * KB * kHigh, s, mn,
-                                                                        q, d, qs, xs, K, block, o);
+                      split_tile<decltype(R)::value, kBits, decltype(halves)::value, kTile>(
+                          wp + t * KB * 256, hp + t * KB * kHigh, s, mn, q, d, qs, xs, K, block, o, N);
 #endif
                     });
 }
@@ -1591,11 +1638,11 @@ at::Tensor int8_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
                       decode_int8_bf16(wp + t * KB * 512, b0, b1, rows);
 #endif
                     },
-                    [&](auto halves, int64_t t, auto s, auto mn, const int8_t* q, const float* d, const int32_t* qs,
-                        const float* xs, float* o) {
+                    [&](auto R, auto halves, int64_t t, auto s, auto mn, const int8_t* q, const float* d,
+                        const int32_t* qs, const float* xs, float* o) {
 #if defined(EMBER_SPLIT)
-                      split_tile<8, decltype(halves)::value, kTile>(wp + t * KB * 512, nullptr, s, mn, q, d, qs, xs, K,
-                                                                    block, o);
+                      split_tile<decltype(R)::value, 8, decltype(halves)::value, kTile>(
+                          wp + t * KB * 512, nullptr, s, mn, q, d, qs, xs, K, block, o, N);
 #endif
                     });
 }
