@@ -268,6 +268,25 @@ def test_int5_gemv_f32_is_the_float_linear_on_the_5bit_weights(ops, rows, block,
         ops.int5_gemv_f32(x, packed, high[:, :-64].contiguous(), tiled, block, tiled_mins)
 
 
+def float_kernel_operands(
+    kind: str, block: int, with_mins: bool, N: int, K: int, g: torch.Generator
+) -> tuple:
+    """Random codes of a float kernel's kind ("int4", "int8", "int6", "int5"), float32 scales (and mins) a block
+    (int4: a group) of `block` k: (codes, scales, mins, the kernel's code operands, its factor operands)."""
+    scales = torch.rand(N, K // block, generator=g) * 0.01
+    mins = -torch.rand(N, K // block, generator=g) if with_mins else None
+    if kind == "int4":
+        codes = torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g)
+        tiles, pairs = cpu_ext.int4_tiles(pack_nibbles(codes), scales, mins, torch.float32)
+        return codes, scales, mins, (tiles,), (pairs, block)
+    low, high = {"int8": (-128, 128), "int6": (-32, 32), "int5": (0, 32)}[kind]
+    codes = torch.randint(low, high, (N, K), dtype=torch.int8, generator=g)
+    tiled_mins = None if mins is None else cpu_ext.int8_block_scales(mins)
+    operands = {"int8": lambda: (cpu_ext.int8_tiles(codes),), "int6": lambda: cpu_ext.int6_tiles(codes),
+                "int5": lambda: cpu_ext.int5_tiles(codes)}[kind]()  # fmt: skip
+    return codes, scales, mins, operands, (cpu_ext.int8_block_scales(scales), block, tiled_mins)
+
+
 @pytest.mark.parametrize(
     "kind,block,with_mins", [("int4", 32, True), ("int8", 32, False), ("int6", 16, True), ("int5", 32, True)]
 )
@@ -283,19 +302,7 @@ def test_float_kernels_take_x_as_three_int8_parts(ops, monkeypatch, kind, block,
     N, K = 48, 512
     x = activations(rows, K)
     x[:, 64] = 1e4  # a block whose other 31 values are 10^4 times smaller
-    scales = torch.rand(N, K // block, generator=g) * 0.01
-    mins = -torch.rand(N, K // block, generator=g) if with_mins else None
-    if kind == "int4":
-        codes = torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g)
-        tiles, pairs = cpu_ext.int4_tiles(pack_nibbles(codes), scales, mins, torch.float32)
-        operands, factors = (tiles,), (pairs, block)
-    else:
-        low, high = {"int8": (-128, 128), "int6": (-32, 32), "int5": (0, 32)}[kind]
-        codes = torch.randint(low, high, (N, K), dtype=torch.int8, generator=g)
-        tiled_mins = None if mins is None else cpu_ext.int8_block_scales(mins)
-        operands = {"int8": lambda: (cpu_ext.int8_tiles(codes),), "int6": lambda: cpu_ext.int6_tiles(codes),
-                    "int5": lambda: cpu_ext.int5_tiles(codes)}[kind]()  # fmt: skip
-        factors = (cpu_ext.int8_block_scales(scales), block, tiled_mins)
+    codes, scales, mins, operands, factors = float_kernel_operands(kind, block, with_mins, N, K, g)
     op = getattr(ops, f"{kind}_gemv_f32")
     got = op(x, *operands, *factors)
     monkeypatch.setenv("EMBER_CPU_SPLIT", "0")
@@ -407,19 +414,7 @@ def test_float_kernels_on_the_tile_unit_keep_float32_sums(kind, block, with_mins
     amx, vector = amx_builds()
     g = torch.Generator().manual_seed(rows + block)
     x = activations(rows, K)
-    scales = torch.rand(N, K // block, generator=g) * 0.01
-    mins = -torch.rand(N, K // block, generator=g) if with_mins else None
-    if kind == "int4":
-        codes = torch.randint(0, 16, (N, K), dtype=torch.uint8, generator=g)
-        tiles, pairs = cpu_ext.int4_tiles(pack_nibbles(codes), scales, mins, torch.float32)
-        operands, factors = (tiles,), (pairs, block)
-    else:
-        low, high = {"int8": (-128, 128), "int6": (-32, 32), "int5": (0, 32)}[kind]
-        codes = torch.randint(low, high, (N, K), dtype=torch.int8, generator=g)
-        tiled_mins = None if mins is None else cpu_ext.int8_block_scales(mins)
-        operands = {"int8": lambda: (cpu_ext.int8_tiles(codes),), "int6": lambda: cpu_ext.int6_tiles(codes),
-                    "int5": lambda: cpu_ext.int5_tiles(codes)}[kind]()  # fmt: skip
-        factors = (cpu_ext.int8_block_scales(scales), block, tiled_mins)
+    codes, scales, mins, operands, factors = float_kernel_operands(kind, block, with_mins, N, K, g)
     name = f"{kind}_gemv_f32"
     got = getattr(amx, name)(x, *operands, *factors)
     on_vector = getattr(vector, name)(x, *operands, *factors)
