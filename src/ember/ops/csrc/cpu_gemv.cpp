@@ -30,8 +30,9 @@
 //     the weights dequantized to bf16 (q * scale + min, rounded) a tile at a time, float32 sums.
 //   The float kernels (*_gemv_f32) take rows 16 at a time there too, x as three bf16 parts (amx_f32_rows).
 //
-// The float kernels' few rows (decode steps) on AVX512-VNNI: x as three int8 parts of a block's scale against
-// the codes in integer dot products (split_tile), in place of a float conversion and an FMA a weight.
+// The float kernels' one or two rows (decode steps) on AVX512-VNNI, AVX-VNNI or AVX2: x as three int8 parts of a
+// block's scale against the codes in integer dot products (split_tile), in place of a float conversion and an
+// FMA a weight.
 //
 // Shape legend: M rows of activations, K input features, N output features.
 
@@ -1439,8 +1440,8 @@ void over_split_rows(const float* x, int64_t M, int64_t K, int64_t tiles, const 
 
 // y = x @ w.T in float32 with int4 weights as they are: x not rounded, w = q * scale + min with float32 factors
 // (scale_min (N/16, K/g, 2, 16)), each group's products summed, then scaled. The float linear's values on the
-// dequantized weights but for the order of the sums: a GGUF file's 4-bit weights computed without a float
-// copy of them.
+// dequantized weights to float32's precision (x as it is, or as three int8 or bf16 parts: split_tile,
+// amx_f32_rows): a GGUF file's 4-bit weights computed without a float copy of them.
 // With `units`, scale_min holds int8 codes of the factors and units (N/16, K/256, 2, 16) their float32 units
 // (`Coded`).
 at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
