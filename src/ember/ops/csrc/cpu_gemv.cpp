@@ -1691,9 +1691,6 @@ const TileConfig kBf16Tiles{.colsb = {64, 64, 64, 64, 64, 64, 64, 64}, .rows = {
 void dequantize_int4_tile_bf16(const uint8_t* w, const at::Half* sm, int64_t KB, int64_t blocks_per_group,
                                uint8_t* b) {
   const __m512i byte = _mm512_set1_epi32(0xFF), nibbles = _mm512_set1_epi8(0x0F);
-  // cvtne2ps_pbh(hi, lo) holds lo's 16 values then hi's; row words interleave them: (lo[l], hi[l]).
-  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                         6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   for (int64_t blk = 0; blk < KB; ++blk) {
     const at::Half* s = sm + (blk / blocks_per_group) * 2 * kTile;
     const __m512 scale = load_half(s).v, mn = load_half(s + kTile).v;
@@ -1708,8 +1705,7 @@ void dequantize_int4_tile_bf16(const uint8_t* w, const at::Half* sm, int64_t KB,
           f[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), scale, mn);
         }
         for (int j = 0; j < 2; ++j) {
-          const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(f[2 * j + 1], f[2 * j]);
-          _mm512_store_si512(rows + (8 * h + 2 * i + j) * 64, _mm512_permutexvar_epi16(pairs, packed));
+          _mm512_store_si512(rows + (8 * h + 2 * i + j) * 64, bf16_pairs(f[2 * j], f[2 * j + 1]));
         }
       }
     }
