@@ -174,14 +174,13 @@ def weight_bytes_per_step(model: Decoder) -> int:
     The embedding table counts only when it is also the output projection (one row is read otherwise);
     a quantized module counts the buffers its kernel reads (`QuantLinear.bytes_read`), not its saved form.
     """
-    from ember.quant.linear import QuantLinear
+    from ember.quant.linear import QuantLinear, outer_quantized
 
     embed = model.model.embed_tokens
     head_is_embedding = model.config.tie_word_embeddings and not isinstance(model.lm_head, QuantLinear)
-    total, seen = 0, set()
+    total, seen = sum(m.bytes_read() for m in outer_quantized(model)), set()
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            total += module.bytes_read()
             continue
         if module is embed and not head_is_embedding:
             continue

@@ -812,15 +812,15 @@ def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_
     """build_model(keep_codes=True), as a float32 CPU load of a GGUF file does (`keeps_codes`): projections whose
     tensors are all 4-bit are the file's int4 codes computed with float activations, the output projection
     the tied embedding's Q8_0 blocks (`Int8BlockLinear`; the embedding stays float for its lookups); gate/up,
-    Q4_0 with a Q5_0 part, int8 blocks, with an F16 part float. The logits are those of the model dequantized whole to float32
-    rounding, with the same greedy tokens; a scheme asked of it afterwards quantizes the float weights those
-    codes stand for (int4-g32 keeps them)."""
+    Q4_0 with a Q5_0 part, int4 groups beside 5-bit blocks (`JoinedLinear`), with an F16 part float. The
+    logits are those of the model dequantized whole to float32 rounding, with the same greedy tokens; a scheme
+    asked of it afterwards quantizes the float weights those codes stand for (int4-g32 keeps them)."""
     from torch import nn
 
     from ember.engine.kv_cache import StaticKVCache
     from ember.ops import cpu_ext
     from ember.quant import quantize_model
-    from ember.quant.linear import CodesEmbedding, Int4WeightOnlyLinear, Int8BlockLinear
+    from ember.quant.linear import CodesEmbedding, Int4WeightOnlyLinear, Int8BlockLinear, JoinedLinear
 
     if not cpu_ext.available():
         pytest.skip("Ember's CPU kernels are not built on this machine")
@@ -836,15 +836,21 @@ def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_
             if proj == "mlp.gate_up_proj" and i == 1:  # up is F16
                 assert isinstance(module, nn.Linear)
                 assert torch.equal(module.weight, float_sd[f"{name}.weight"])
-            elif proj == "mlp.gate_up_proj":  # Q4_0 with a Q5_0 part: int8 blocks with mins, Q5_0's zero
-                assert isinstance(module, Int8BlockLinear) and module._kernel == "cpu_f32", name
-                assert module._tile_mins is not None  # Q4_0's min, -8 d (its codes 0..15)
+            elif proj == "mlp.gate_up_proj":  # Q4_0 with a Q5_0 part: int4 groups beside 5-bit blocks
+                assert isinstance(module, JoinedLinear) and module._kernel == "cpu_f32", name
+                int4, int5 = module.parts
+                assert isinstance(int4, Int4WeightOnlyLinear) and int4._kernel == "cpu_f32", name
+                assert isinstance(int5, Int8BlockLinear) and int5._bits == 5 and int5._kernel == "cpu_f32", (
+                    name
+                )
+                assert int4.out_features == int5.out_features == module.out_features // 2
                 assert torch.equal(module.dequantize(), float_sd[f"{name}.weight"]), name
             else:
                 assert isinstance(module, Int4WeightOnlyLinear) and module._kernel == "cpu_f32", name
                 assert torch.equal(module.dequantize(), float_sd[f"{name}.weight"]), name
             if not isinstance(module, nn.Linear):  # the kernel's tiles are the only copy of the codes
-                assert module.qweight is None and module.scales is None, name
+                for part in getattr(module, "parts", [module]):
+                    assert part.qweight is None and part.scales is None, name
     assert isinstance(kept.lm_head, Int8BlockLinear) and kept.lm_head._kernel == "cpu_f32"
     assert torch.equal(kept.lm_head.dequantize(), float_sd["model.embed_tokens.weight"])
     # the embedding is looked up in the same codes, every row the float load's, no float table made
@@ -888,6 +894,73 @@ def test_the_default_model_keeps_its_q4_1_projections_on_a_cpu(smollm2_gguf):
     assert load(str(smollm2_gguf), device="cpu", progress=False).kept_codes == 121
     assert load(str(smollm2_gguf), device="cpu", quantize="none", progress=False).kept_codes == 0
     assert load(str(smollm2_gguf), device="cpu", dtype="bfloat16", progress=False).kept_codes == 0
+
+
+def test_a_joined_projection_is_its_parts_side_by_side():
+    """`JoinedLinear` (a fused projection's parts of different kinds, each its own kernel): its outputs are the
+    float linear's on its parts' weights with its bias, to float32 rounding; its bytes are its parts' (counted
+    once by the bench), and a scheme asked of a model holding it quantizes the weights it stands for."""
+    from ember.bench import weight_bytes_per_step
+    from ember.ops import cpu_ext
+    from ember.quant.linear import Int4WeightOnlyLinear, Int8BlockLinear, JoinedLinear, outer_quantized
+
+    if not cpu_ext.available():
+        pytest.skip("Ember's CPU kernels are not built on this machine")
+    g = torch.Generator().manual_seed(0)
+    K = 256
+    four = Int4WeightOnlyLinear.from_codes(
+        torch.randint(0, 16, (64, K), generator=g), torch.rand(64, K // 32, generator=g) * 0.1,
+        -torch.rand(64, K // 32, generator=g) * 0.5, None, torch.float32,
+    )  # fmt: skip
+    four.float_activations = True
+    six = Int8BlockLinear.from_codes(
+        torch.randint(-32, 32, (32, K), dtype=torch.int8, generator=g), torch.rand(32, K // 16, generator=g) * 0.1,
+        None, None, torch.float32,
+    )  # fmt: skip
+    for part in (four, six):
+        part.prepare()
+    bias = torch.randn(96, generator=g)
+    joined = JoinedLinear([four, six], bias)
+    assert (joined.in_features, joined.out_features, joined._kernel) == (K, 96, "cpu_f32")
+    assert six._bits == 6
+    w = torch.cat([four.dequantize(), six.dequantize()])
+    assert torch.equal(joined.dequantize(), w)
+    for rows in (1, 2, 5, 19):
+        x = torch.randn(1, rows, K, generator=g)
+        want = torch.nn.functional.linear(x.double(), w.double(), bias.double())
+        got = joined(x)
+        assert got.shape == (1, rows, 96) and got.dtype == torch.float32
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert joined.bytes_read() == four.bytes_read() + six.bytes_read() + bias.nbytes
+    holder = torch.nn.Sequential(joined)
+    assert list(outer_quantized(holder)) == [joined]
+    with pytest.raises(ValueError, match="two or more parts"):
+        JoinedLinear([four], None)
+    # in a model: the bench counts its bytes once; a scheme quantizes its weights (the bias kept)
+    from ember.config import ModelConfig
+    from ember.models.decoder import Decoder
+    from ember.ops.rope import RopeConfig
+    from ember.quant import quantize_model
+
+    cfg = ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=64, hidden_size=K, intermediate_size=64, num_layers=1,
+        num_heads=4, num_kv_heads=1, head_dim=16, max_position_embeddings=16, norm_eps=1e-6, qkv_bias=True,
+        rope=RopeConfig(theta=1e4, rotary_dim=16, max_position_embeddings=16),
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    model.to_empty(device="cpu")
+    model.init_buffers(torch.device("cpu"))
+    model.eval().requires_grad_(False)
+    attn = model.model.layers[0].self_attn
+    before = weight_bytes_per_step(model)
+    float_bytes = attn.qkv_proj.weight.nbytes + attn.qkv_proj.bias.nbytes
+    attn.qkv_proj = JoinedLinear([four, six], bias)
+    assert weight_bytes_per_step(model) == before - float_bytes + joined.bytes_read()
+    quantize_model(model, "int8")
+    swapped = model.model.layers[0].self_attn.qkv_proj
+    assert not isinstance(swapped, JoinedLinear) and torch.equal(swapped.bias, bias)
+    assert (swapped.dequantize() - w).abs().max() <= w.abs().amax(dim=1).max() / 127
 
 
 # The codes each int8-blocks type reaches: (min, max).
@@ -961,13 +1034,13 @@ def test_an_untied_output_projection_keeps_its_own_codes(tmp_path, head):
 
 
 def test_a_float_load_keeps_every_k_type_and_their_mixes_as_int8_blocks(tmp_path):
-    """K-quant files mix types within a fused projection (a Q3_K_M file's q is Q3_K, its v Q5_K, ...): q/k/v
-    of Q5_K (blocks of 32 with mins), Q6_K and Q3_K (blocks of 16, none), gate/up of Q2_K and Q5_1 are each one
-    `Int8BlockLinear` of blocks of 16, its weights the dequantized file's bit for bit, computed in 5 bits a
-    weight where every part's codes fit, else 6 where they do; o of Q4_K alone stays int4 groups. Logits and greedy tokens are the
-    dequantized model's."""
+    """K-quant files mix types within a fused projection (a Q3_K_M file's q is Q3_K, its v Q5_K, ...). Parts
+    whose codes fit the same bits are one `Int8BlockLinear` (gate/up of Q2_K and Q5_1: blocks of 16, 5 bits a
+    weight); parts of different bits run one module a kind, side by side (`JoinedLinear`: q/k/v of Q5_K, Q6_K
+    and Q3_K as 5-, 6- and 5-bit blocks), not all in the widest; o of Q4_K alone stays int4 groups. Every
+    module's weights are the dequantized file's bit for bit; logits and greedy tokens the dequantized model's."""
     from ember.ops import cpu_ext
-    from ember.quant.linear import Int4WeightOnlyLinear, Int8BlockLinear
+    from ember.quant.linear import Int4WeightOnlyLinear, Int8BlockLinear, JoinedLinear
 
     if not cpu_ext.available():
         pytest.skip("Ember's CPU kernels are not built on this machine")
@@ -980,16 +1053,21 @@ def test_a_float_load_keeps_every_k_type_and_their_mixes_as_int8_blocks(tmp_path
     kept = _kept(path)
     whole = _build(path, None)
     float_sd = whole.state_dict()
+    joined = {"model.layers.0.self_attn.qkv_proj": 3, "model.layers.1.mlp.gate_up_proj": 2}
     for i in range(L):
         for proj in _PROJS:
             name = f"model.layers.{i}.{proj}"
             module = kept.get_submodule(name)
             four = proj == "self_attn.o_proj" and i == 0
-            assert isinstance(module, Int4WeightOnlyLinear if four else Int8BlockLinear), name
+            if name in joined:
+                assert isinstance(module, JoinedLinear) and len(module.parts) == joined[name], name
+                assert all(isinstance(p, Int8BlockLinear) and p._kernel == "cpu_f32" for p in module.parts)
+            else:
+                assert isinstance(module, Int4WeightOnlyLinear if four else Int8BlockLinear), name
+                if proj in _FUSED:  # a part of blocks of 32 beside one of 16: blocks of 16
+                    assert module.block == 16, name
             assert module._kernel == "cpu_f32", name
             assert torch.equal(module.dequantize(), float_sd[f"{name}.weight"]), name
-            if proj in _FUSED:
-                assert module.block == 16, name
     assert isinstance(kept.lm_head, Int8BlockLinear) and kept.lm_head.block == 16  # the tied Q6_K embedding
     # 5 bits a weight where every part's codes fit (Q3_K's -4..3 taken up by 16), else 6 where they do (Q6_K's
     # -32..31 taken up by 32), else 8 (a Q8_0 part)
@@ -997,12 +1075,15 @@ def test_a_float_load_keeps_every_k_type_and_their_mixes_as_int8_blocks(tmp_path
         name: module._bits for name, module in kept.named_modules() if isinstance(module, Int8BlockLinear)
     }
     assert bits == {
-        "model.layers.0.self_attn.qkv_proj": 6,
+        "model.layers.0.self_attn.qkv_proj.parts.0": 5,
+        "model.layers.0.self_attn.qkv_proj.parts.1": 6,
+        "model.layers.0.self_attn.qkv_proj.parts.2": 5,
         "model.layers.0.mlp.gate_up_proj": 5,
         "model.layers.0.mlp.down_proj": 5,
         "model.layers.1.self_attn.qkv_proj": 5,
         "model.layers.1.self_attn.o_proj": 5,
-        "model.layers.1.mlp.gate_up_proj": 6,
+        "model.layers.1.mlp.gate_up_proj.parts.0": 5,
+        "model.layers.1.mlp.gate_up_proj.parts.1": 6,
         "model.layers.1.mlp.down_proj": 8,
         "lm_head": 6,
     }
@@ -1014,13 +1095,16 @@ def test_a_float_load_keeps_every_k_type_and_their_mixes_as_int8_blocks(tmp_path
         if isinstance(module, (Int8BlockLinear, Int4WeightOnlyLinear))
     }
     assert coded == {
-        "model.layers.0.self_attn.qkv_proj": True,
+        "model.layers.0.self_attn.qkv_proj.parts.0": True,
+        "model.layers.0.self_attn.qkv_proj.parts.1": True,
+        "model.layers.0.self_attn.qkv_proj.parts.2": True,
         "model.layers.0.self_attn.o_proj": True,
         "model.layers.0.mlp.gate_up_proj": False,
         "model.layers.0.mlp.down_proj": False,
         "model.layers.1.self_attn.qkv_proj": True,
         "model.layers.1.self_attn.o_proj": True,
-        "model.layers.1.mlp.gate_up_proj": True,
+        "model.layers.1.mlp.gate_up_proj.parts.0": True,
+        "model.layers.1.mlp.gate_up_proj.parts.1": True,
         "model.layers.1.mlp.down_proj": False,
         "lm_head": True,
     }

@@ -171,15 +171,25 @@ def k_factors(N: int, blocks: int, codes: tuple[int, int], per: int, seed: int) 
 @pytest.mark.parametrize("kind", sorted(K_CODES))
 @pytest.mark.parametrize("block", [16, 32])
 def test_coded_factors_are_the_float_factors_bit_for_bit(kind, block):
-    """K-type factors coded as int8 codes times a float32 unit a run of 256 k give back every float32 factor
-    exactly; factors that are no one float times small integers (Q8_0's f16 a block) and widths that are no
+    """K-type factors coded as int8 codes times a float16 unit a run of 256 k give back every float32 factor
+    exactly; factors that are no one float16 times small integers (Q8_0's f16 a block) and widths that are no
     multiple of 256 are not coded."""
     N, K = 48, 1024
     scales = k_factors(N, K // block, K_CODES[kind], 256 // block, seed=block)
     tiled = cpu_ext.int8_block_scales(scales)
     codes, units = cpu_ext.coded_factors(tiled, K)
     assert codes.dtype == torch.int8 and codes.shape == tiled.shape and units.shape == (N // 16, K // 256, 16)
+    assert units.dtype == torch.float16
     assert torch.equal(cpu_ext.uncoded(codes, units), tiled)
+    # a run whose integers share an odd factor (3 d, 9 d, ...): its gcd past float16, the unit d (or 2^i d) instead
+    lo, hi = K_CODES[kind]
+    thirds = k_factors(
+        N, K // block, (-(-lo // 3), hi // 3), 256 // block, seed=block + 1
+    )  # codes 3 i: a K type's
+    shared = cpu_ext.int8_block_scales(thirds * 3)
+    codes, units = cpu_ext.coded_factors(shared, K)
+    assert torch.equal(cpu_ext.uncoded(codes, units), shared)
+    assert cpu_ext.coded_factors(tiled * 1e-6, K) is None  # units below float16's range
     pairs = cpu_ext.int4_tiles(torch.zeros(N, K // 2, dtype=torch.uint8), scales, -scales, torch.float32)[1]
     codes, units = cpu_ext.coded_factors(pairs, K)
     assert torch.equal(cpu_ext.uncoded(codes, units), pairs) and units.shape == (N // 16, K // 256, 2, 16)

@@ -214,6 +214,8 @@ def load(
     eos = tuple(dict.fromkeys(extra_eos + tuple(tokenizer.eos_token_ids) + cfg.eos_token_ids))
     if not eos:
         raise CheckpointError(f"{resolved.path}: no end-of-sequence token id in the config or tokenizer")
+    from ember.quant.linear import outer_quantized
+
     loaded = LoadedModel(
         name=resolved.name,
         path=resolved.path,
@@ -227,7 +229,7 @@ def load(
         generation_defaults=gen_defaults,
         load_s=time.perf_counter() - start,
         quant_cache=cache_state,
-        kept_codes=sum(getattr(m, "float_activations", False) for m in model.modules()),
+        kept_codes=sum(getattr(m, "float_activations", False) for m in outer_quantized(model)),
     )
     log.info("loaded %s (%s, %s) on %s in %.1f s", resolved.name, cfg.architecture, dt, dev, loaded.load_s)
     return loaded

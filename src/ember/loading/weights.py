@@ -118,7 +118,13 @@ def build_model(
     without its float weights; a tied embedding kept so is looked up in those codes (`CodesEmbedding`); the
     rest is read as float, as without it."""
     from ember.quant import GGUF_GROUP, QuantSpec, check_fits, quantized_projections
-    from ember.quant.linear import CodesEmbedding, Int4WeightOnlyLinear, Int8BlockLinear, QuantLinear
+    from ember.quant.linear import (
+        CodesEmbedding,
+        Int4WeightOnlyLinear,
+        Int8BlockLinear,
+        JoinedLinear,
+        QuantLinear,
+    )
 
     with torch.device("meta"):
         model = Decoder(cfg)
@@ -212,23 +218,60 @@ def build_model(
 
     def kept_codes(name: str, bias: torch.Tensor | None) -> QuantLinear | None:
         """keep_codes: weight `name` as the source's own codes where it holds them in int4 groups or int8 blocks
-        and their float-activation kernel runs here (else None: it is read as float)."""
+        and their float-activation kernel runs here (else None: it is read as float). A fused projection whose
+        parts are of different kinds (int4 groups, int8 blocks of 5, 6 or 8 bits) runs each kind's parts as
+        their own module (`JoinedLinear`), not all of it in the widest kind."""
+        groups, stack = plan[name]
+        if stack:
+            return None
         if (int4 := read_int4(name)) is not None:
-            module = Int4WeightOnlyLinear.from_codes(*int4, bias, dtype)
-            module.float_activations = True
+            runs = [[("int4", int4)]]
         else:
-            groups, stack = plan[name]
-            parts = [] if stack or get_int8 is None else [get_int8(renamed[p]) for p in groups[0]]
-            if not parts or any(part is None for part in parts):
-                return None
-            module = Int8BlockLinear.joined(parts, bias, dtype).to(device)
-            if module.qweight.shape != expected[name].shape:
-                raise CheckpointError(
-                    f"{origin}: weight {name} has shape {tuple(module.qweight.shape)}, "
-                    f"expected {tuple(expected[name].shape)} from the config"
+            parts = []
+            for p in groups[0]:
+                if get_int4 is not None and (codes := get_int4(renamed[p], group_size)) is not None:
+                    parts.append(("int4", codes))
+                elif get_int8 is not None and (codes := get_int8(renamed[p])) is not None:
+                    bits = Int8BlockLinear.from_codes(*codes, None, dtype).code_bits()
+                    parts.append((bits, codes))
+                else:
+                    return None
+            runs = [[parts[0]]]
+            for part in parts[1:]:  # parts one after another, a run a kind
+                if part[0] == runs[-1][-1][0]:
+                    runs[-1].append(part)
+                else:
+                    runs.append([part])
+        width = expected[name].shape[1]
+        if any(codes[0].shape[1] != width for run in runs for _, codes in run):
+            raise CheckpointError(
+                f"{origin}: weight {name} has parts of widths {[c[0].shape[1] for run in runs for _, c in run]}, "
+                f"expected {width} from the config"
+            )
+        modules = []
+        for run in runs:
+            whole = bias if len(runs) == 1 else None
+            if run[0][0] == "int4":
+                codes = (
+                    run[0][1]
+                    if len(run) == 1
+                    else [torch.cat(t) for t in zip(*(c for _, c in run), strict=True)]
                 )
-        module.prepare()
-        return module if module._kernel == "cpu_f32" else None
+                module = Int4WeightOnlyLinear.from_codes(*(t.to(device) for t in codes), whole, dtype)
+                module.float_activations = True
+            else:
+                module = Int8BlockLinear.joined([codes for _, codes in run], whole, dtype).to(device)
+            module.prepare()
+            if module._kernel != "cpu_f32":
+                return None
+            modules.append(module)
+        module = modules[0] if len(modules) == 1 else JoinedLinear(modules, bias)
+        if (module.out_features, module.in_features) != tuple(expected[name].shape):
+            raise CheckpointError(
+                f"{origin}: weight {name} has shape {(module.out_features, module.in_features)}, "
+                f"expected {tuple(expected[name].shape)} from the config"
+            )
+        return module
 
     state: dict[str, torch.Tensor] = {}
     swapped: dict[str, nn.Module] = {}

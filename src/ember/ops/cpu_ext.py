@@ -389,21 +389,22 @@ def untile_factors(tiled: torch.Tensor) -> torch.Tensor:
     return tiled.transpose(1, 2).reshape(-1, tiled.shape[1]).contiguous()
 
 
-# The float kernels' factors coded in runs of UNIT_K k: an int8 a block times a float32 unit a run (`Coded` in
+# The float kernels' factors coded in runs of UNIT_K k: an int8 a block times a float16 unit a run (`Coded` in
 # the C++ source), where that is exact: a GGUF K type's factors are an f16 (d, dmin) of 256 weights times small
-# integers, 0.75 bits a weight (Q4_K's scale and min), not 2 as float32s.
+# integers, 0.625 bits a weight (Q4_K's scale and min), not 2 as float32s.
 UNIT_K = 256
 
 
 def coded_factors(tiled: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A float kernel's float32 factors (N/16, K/b, *lanes) (`int8_block_scales`' (.., 16), `int4_tiles`' pairs
-    (.., 2, 16)) -> int8 codes of the same shape and float32 units (N/16, K/256, *lanes), codes times units
+    (.., 2, 16)) -> int8 codes of the same shape and float16 units (N/16, K/256, *lanes), codes times units
     equal to the factors bit for bit; None where some run of 256 k has no such unit (factors that are not one
-    float times small integers: Q8_0's, Q4_1's) or K is no multiple of 256.
+    float16 times small integers: Q8_0's, Q4_1's) or K is no multiple of 256.
 
     A run's unit is the greatest common divisor of its factors as binary fractions: the gcd of their odd
     significands times two to the least exponent. Every factor is an integer times it, and no integer is
-    larger than over any other common unit (a K type's f16 d: the codes are at most its own)."""
+    larger than over any other common unit (a K type's f16 d: the codes are at most its own). Where float16
+    does not hold that unit, a smaller one it holds (the gcd over a small odd factor: a K type's d itself)."""
     T, B, lanes = tiled.shape[0], tiled.shape[1], tiled.shape[2:]
     if K % UNIT_K or B % (K // UNIT_K):
         return None
@@ -419,17 +420,30 @@ def coded_factors(tiled: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tens
     g = odd[:, 0]
     for i in range(1, per):
         g = torch.gcd(g, odd[:, i])
-    units = torch.ldexp(g.float(), power.amin(dim=1).clamp(max=1 << 10).float())  # exact: g < 2^24
-    units = torch.where(g == 0, 0.0, units)  # a run of zeros
+    power = power.amin(dim=1).clamp(max=1 << 10)
+    units = torch.where(
+        g == 0, 0.0, torch.ldexp(g.float(), power.float())
+    )  # exact: g < 2^24; zeros: a unit 0
     q = torch.round(v / torch.where(units == 0, 1.0, units)[:, None])
+    # A unit float16 does not hold (an f16 d times a common odd factor of its integers: 3 d) gives way to one
+    # an odd factor f smaller that it holds, its codes f times larger (while they fit).
+    wide = units.half().float() != units
+    for f in range(3, 128, 2):
+        if not bool(wide.any()):
+            break
+        smaller = torch.ldexp(torch.div(g, f, rounding_mode="floor").float(), power.float())
+        fits = wide & (g % f == 0) & (smaller.half().float() == smaller) & (q.abs().amax(dim=1) * f <= 127)
+        units, q = torch.where(fits, smaller, units), torch.where(fits[:, None], q * f, q)
+        wide &= ~fits
     # int8 reaches -128, not 128: such a run takes the unit's other sign
     flip = (q == 128).any(dim=1)
     units, q = torch.where(flip, -units, units), torch.where(flip[:, None], -q, q)
-    if not (bool(((q >= -128) & (q <= 127)).all()) and torch.equal(q * units[:, None], v)):
+    exact = bool(((q >= -128) & (q <= 127)).all()) and torch.equal(q * units[:, None], v)
+    if not exact or bool(wide.any()):
         return None
     L = v.shape[0] // (T * S)
     codes = q.to(torch.int8).reshape(T, S, L, per).transpose(2, 3).reshape(tiled.shape).contiguous()
-    return codes, units.reshape(T, S, *lanes).contiguous()
+    return codes, units.half().reshape(T, S, *lanes).contiguous()
 
 
 def compact_factors(
@@ -458,7 +472,7 @@ def uncoded(factors: torch.Tensor, units: torch.Tensor | None) -> torch.Tensor:
     if units is None:
         return factors.float()
     per = factors.shape[1] // units.shape[1]
-    return factors.float() * units.repeat_interleave(per, dim=1)
+    return factors.float() * units.float().repeat_interleave(per, dim=1)
 
 
 def int8_block_scales(scales: torch.Tensor) -> torch.Tensor:

@@ -795,23 +795,22 @@ class Int8BlockLinear(QuantLinear):
         mins = torch.zeros_like(self.scales) if self.mins is None else self.mins
         return codes, mins - up[:, None].float() * self.scales
 
+    def code_bits(self) -> int:
+        """The fewest bits a weight the CPU kernels hold these codes in: 5, 6 (`narrow_codes`) or 8."""
+        return next((bits for bits in (5, 6) if self.narrow_codes(bits) is not None), 8)
+
     def prepare(self) -> None:
         if self.qweight is None:  # prepared already: the kernel's tiles hold the codes
             return
         cpu = self.qweight.device.type == "cpu" and self.dtype == torch.float32
         if cpu and cpu_ext.fits(self.out_features, self.in_features) and cpu_ext.available():
             self._kernel = "cpu_f32"
-            mins, self._bits = self.mins, 8
-            for bits, tiling in (
-                (5, cpu_ext.int5_tiles),
-                (6, cpu_ext.int6_tiles),
-            ):  # the fewest bits that fit
-                if (narrow := self.narrow_codes(bits)) is not None:
-                    (codes, mins), self._bits = narrow, bits
-                    tiles, high = tiling(codes)
-                    break
+            self._bits = self.code_bits()
+            if self._bits == 8:
+                mins, (tiles, high) = self.mins, (cpu_ext.int8_tiles(self.qweight), None)
             else:
-                tiles, high = cpu_ext.int8_tiles(self.qweight), None
+                codes, mins = self.narrow_codes(self._bits)
+                tiles, high = (cpu_ext.int5_tiles if self._bits == 5 else cpu_ext.int6_tiles)(codes)
             self.register_buffer("_tiles", tiles, persistent=False)
             self.register_buffer("_high", high, persistent=False)
             # in the fewest bytes that hold them exactly (a K type's as int8 codes of units a run of 256 k, f16s
@@ -855,6 +854,56 @@ class Int8BlockLinear(QuantLinear):
         else:
             y = F.linear(x2, self.dequantize().to(x.dtype))
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
+
+
+class JoinedLinear(QuantLinear):
+    """A fused projection (q/k/v, gate/up) whose parts a file holds in different kinds of codes, kept as a run of
+    modules, one a kind, their outputs side by side: a Q4_K_M file's q and k in Q4_K beside a v in Q6_K run as
+    int4 groups and 6-bit blocks, not all of it as 6-bit blocks with mins (7.25 bits a weight; `ember.loading.
+    weights.build_model`). Each part keeps its own kernel; the same weights, the same values (each output the
+    same sums). Not a scheme: a scheme asked of it quantizes the weights it stands for (`dequantize`)."""
+
+    scheme = "joined"
+
+    def __init__(self, parts: list[QuantLinear], bias: torch.Tensor | None) -> None:
+        first = parts[0]
+        if len(parts) < 2 or any(p.in_features != first.in_features or p.bias is not None for p in parts):
+            raise ValueError(
+                "a joined projection takes two or more parts without biases of one input width, got "
+                f"{[(p.in_features, p.bias is not None) for p in parts]}"
+            )
+        super().__init__(first.in_features, sum(p.out_features for p in parts), bias is not None, first.dtype)
+        self.parts = nn.ModuleList(parts)
+        self.float_activations = True
+        self._kernel = "cpu_f32" if all(getattr(p, "_kernel", None) == "cpu_f32" for p in parts) else "float"
+        if bias is not None:
+            self.bias.copy_(bias)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def bytes_read(self) -> int:
+        return sum(p.bytes_read() for p in self.parts) + (0 if self.bias is None else self.bias.nbytes)
+
+    def streamed_weight(self) -> torch.Tensor:
+        largest = None
+        for p in self.parts:
+            t = p.streamed_weight()
+            if largest is None or t.numel() * t.element_size() > largest.numel() * largest.element_size():
+                largest = t
+        return largest
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._add_bias(torch.cat([p(x) for p in self.parts], dim=-1))
+
+
+def outer_quantized(model: nn.Module):
+    """The model's quantized modules, each once: a `JoinedLinear`, not also its parts."""
+    inner: set[int] = set()
+    for module in model.modules():
+        if isinstance(module, QuantLinear) and id(module) not in inner:
+            inner.update(id(m) for m in module.modules() if m is not module)
+            yield module
 
 
 class CodesEmbedding(nn.Module):

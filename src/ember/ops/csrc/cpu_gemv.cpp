@@ -546,13 +546,13 @@ void int4_tile(const uint8_t* w, const at::Half* sm, const int8_t* xq, const flo
 
 // The float kernels' factors (scales, or mins) of a tile's blocks (or groups), 16 lanes a block, kStride floats
 // apart: float32 or float16 as they are (a pointer; null: none), or `Coded` (`cpu_ext.coded_factors`): an int8 a block (at
-// q) times a float32 unit for each run of 1 << shift blocks (256 k), the float32 values themselves where the
-// units and codes were found exact (a GGUF K type's f16 d times its small integer scales: 0.75 bits a weight of
+// q) times a float16 unit for each run of 1 << shift blocks (256 k), the float32 values themselves where the
+// units and codes were found exact (a GGUF K type's f16 d times its small integer scales: 0.625 bits a weight of
 // factors, not 2). Each kernel is instantiated for each form (float32's is the loop as it was before codes: a
 // branch, or a struct for all, cost it 10-18%).
 struct Coded {
   const int8_t* q = nullptr;
-  const float* unit = nullptr;
+  const at::Half* unit = nullptr;
   int64_t stride = kTile;
   int shift = 0;
   // Tile t's, of `blocks` blocks a tile.
@@ -573,7 +573,7 @@ inline F16x factor_at(const at::Half* f, int64_t b) {
 }
 template <int kStride = kTile>
 inline F16x factor_at(const Coded& c, int64_t b) {
-  return fmul(load_float(c.unit + (b >> c.shift) * kStride), load_int8_float(c.q + b * kStride));
+  return fmul(load_half(c.unit + (b >> c.shift) * kStride), load_int8_float(c.q + b * kStride));
 }
 inline bool given(const float* f) { return f != nullptr; }
 inline bool given(const at::Half* f) { return f != nullptr; }
@@ -589,7 +589,7 @@ const T* float_factors(const at::Tensor& f, int64_t tiles, int64_t blocks, int64
   return f.data_ptr<T>();
 }
 
-// The same factors coded: int8 codes `f` with their float32 `units` (tiles, K/256, lanes), checked.
+// The same factors coded: int8 codes `f` with their float16 `units` (tiles, K/256, lanes), checked.
 Coded coded_factors(const at::Tensor& f, const at::Tensor& units, int64_t tiles, int64_t blocks, int64_t K,
                     int64_t lanes, const char* name) {
   const int64_t per = K % 256 == 0 && blocks % (K / 256) == 0 ? blocks / (K / 256) : 0;
@@ -597,11 +597,11 @@ Coded coded_factors(const at::Tensor& f, const at::Tensor& units, int64_t tiles,
               " blocks of a power of two k");
   TORCH_CHECK(f.scalar_type() == at::kChar && f.is_contiguous() && f.numel() == tiles * blocks * lanes, name, " ",
               f.sizes(), " do not match ", tiles, " tiles of ", blocks, " blocks (int8 codes beside units)");
-  TORCH_CHECK(units.scalar_type() == at::kFloat && units.is_contiguous() && units.numel() == tiles * (K / 256) * lanes,
-              name, " units ", units.sizes(), " do not match ", tiles, " tiles of ", K / 256, " units (float32)");
+  TORCH_CHECK(units.scalar_type() == at::kHalf && units.is_contiguous() && units.numel() == tiles * (K / 256) * lanes,
+              name, " units ", units.sizes(), " do not match ", tiles, " tiles of ", K / 256, " units (float16)");
   int shift = 0;
   while ((int64_t{1} << shift) < per) ++shift;
-  return {f.data_ptr<int8_t>(), units.data_ptr<float>(), lanes, shift};
+  return {f.data_ptr<int8_t>(), units.data_ptr<at::Half>(), lanes, shift};
 }
 
 // R float activation rows (x + r * K, their sums per group of k at xs + r * G) against one int4 tile with
@@ -1442,7 +1442,7 @@ void over_split_rows(const float* x, int64_t M, int64_t K, int64_t tiles, const 
 // (scale_min (N/16, K/g, 2, 16)), each group's products summed, then scaled. The float linear's values on the
 // dequantized weights to float32's precision (x as it is, or as three int8 or bf16 parts: split_tile,
 // amx_f32_rows): a GGUF file's 4-bit weights computed without a float copy of them.
-// With `units`, scale_min holds int8 codes of the factors and units (N/16, K/256, 2, 16) their float32 units
+// With `units`, scale_min holds int8 codes of the factors and units (N/16, K/256, 2, 16) their float16 units
 // (`Coded`).
 at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
                          int64_t group_size, const std::optional<at::Tensor>& units) {
