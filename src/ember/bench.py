@@ -165,6 +165,10 @@ def random_model(
         from ember.quant import quantize_model
 
         quantize_model(model, quantize)
+    if torch.device(device).type == "cpu":  # as a loaded model's (`ember.loading.checkpoint.load`)
+        from ember.loading.weights import into_huge_pages
+
+        into_huge_pages(model)
     return model
 
 

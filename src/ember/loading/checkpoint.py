@@ -19,7 +19,7 @@ from ember.loading.safetensors import (
     read_hf_config,
     read_json,
 )
-from ember.loading.weights import WeightSource, build_model
+from ember.loading.weights import WeightSource, build_model, into_huge_pages
 from ember.models.decoder import Decoder
 from ember.models.registry import config_from_hf, get_family
 from ember.tokenizer import Tokenizer
@@ -211,6 +211,8 @@ def load(
         model = quantize_model(read_model(), quantize)
     else:
         model = read_model()
+    if dev.type == "cpu":  # every step streams the weights: in huge pages, far fewer TLB misses
+        into_huge_pages(model)
     eos = tuple(dict.fromkeys(extra_eos + tuple(tokenizer.eos_token_ids) + cfg.eos_token_ids))
     if not eos:
         raise CheckpointError(f"{resolved.path}: no end-of-sequence token id in the config or tokenizer")
