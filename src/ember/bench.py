@@ -166,9 +166,9 @@ def random_model(
 
         quantize_model(model, quantize)
     if torch.device(device).type == "cpu":  # as a loaded model's (`ember.loading.checkpoint.load`)
-        from ember.loading.weights import into_huge_pages
+        from ember import huge_pages
 
-        into_huge_pages(model)
+        huge_pages.into(model)
     return model
 
 

@@ -1,23 +1,35 @@
-"""Weights moved into transparent huge pages (`ember.loading.weights.into_huge_pages`): the same values, ties
-kept, small and strided tensors left where they are."""
+"""Weights and KV caches in transparent huge pages (`ember.huge_pages`): the same values, ties kept, small and
+strided tensors left where they are."""
 
 import pytest
 import torch
 from torch import nn
 
-from ember.loading import weights
-from ember.loading.weights import HUGE_PAGE, into_huge_pages
+from ember import huge_pages
+from ember.huge_pages import HUGE_PAGE
 
 
 def test_a_huge_copy_is_the_tensor_on_huge_page_boundaries():
     t = torch.randn(HUGE_PAGE // 4 * 3 + 17)
-    c = weights._huge_copy(t)
+    c = huge_pages.copy(t)
     assert torch.equal(c, t) and c.dtype == t.dtype and c.shape == t.shape
     assert c.data_ptr() % HUGE_PAGE == 0 and c.data_ptr() != t.data_ptr()
     c[0] = 1e9  # its own memory, writable
     assert t[0] != 1e9
     codes = torch.randint(0, 255, (1024, 4096), dtype=torch.uint8)
-    assert torch.equal(weights._huge_copy(codes), codes)
+    assert torch.equal(huge_pages.copy(codes), codes)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_huge_zeros_are_zeros(monkeypatch, on):
+    monkeypatch.setattr(huge_pages, "enabled", lambda: on)
+    z = huge_pages.zeros((3, 1024, 1000), torch.float32, "cpu")
+    assert z.shape == (3, 1024, 1000) and z.dtype == torch.float32 and not z.any()
+    assert (z.data_ptr() % HUGE_PAGE == 0) == on
+    z[1, 2, 3] = 5.0
+    assert z.sum() == 5.0
+    small = huge_pages.zeros((4, 4), torch.bfloat16, "cpu")
+    assert small.dtype == torch.bfloat16 and not small.any()
 
 
 class _Tied(nn.Module):
@@ -38,12 +50,12 @@ class _Tied(nn.Module):
 
 
 @pytest.mark.parametrize("on", [True, False])
-def test_into_huge_pages_moves_large_tensors_once_and_keeps_ties(monkeypatch, on):
-    monkeypatch.setattr(weights, "_huge_pages_on", lambda: on)
+def test_a_model_moves_its_large_tensors_once_and_keeps_ties(monkeypatch, on):
+    monkeypatch.setattr(huge_pages, "enabled", lambda: on)
     m = _Tied()
     before = {n: t.clone() for n, t in m.state_dict().items()}
     ptrs = {n: t.data_ptr() for n, t in m.state_dict().items()}
-    moved = into_huge_pages(m)
+    moved = huge_pages.into(m)
     after = m.state_dict()
     assert all(torch.equal(after[n], before[n]) for n in before)
     assert m.head.weight is m.embed.weight and m.a.codes is m.b.codes
@@ -58,4 +70,4 @@ def test_into_huge_pages_moves_large_tensors_once_and_keeps_ties(monkeypatch, on
 
 def test_huge_pages_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("EMBER_HUGE_PAGES", "0")
-    assert not weights._huge_pages_on()
+    assert not huge_pages.enabled()

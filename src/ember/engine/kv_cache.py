@@ -21,6 +21,7 @@ import copy
 
 import torch
 
+from ember import huge_pages
 from ember.config import ModelConfig
 from ember.ops import cpu_ext
 from ember.ops.attention import causal_mask, grouped_decode_attention, sdpa_attention
@@ -40,8 +41,8 @@ class StaticKVCache:
         prompts_from_start: bool = False,
     ) -> None:
         shape = (batch_size, cfg.num_kv_heads, max_seq_len, cfg.head_dim)  # (B, K, S, D)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.k = [huge_pages.zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
+        self.v = [huge_pages.zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
         self.batch_size = batch_size
         self.max_seq_len = max_seq_len
         self.prompts_from_start = prompts_from_start

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ember import huge_pages
 from ember.config import ModelConfig
 from ember.ops import cpu_ext
 from ember.ops.attention import causal_mask, sdpa_attention
@@ -50,8 +51,8 @@ class PagedKVCache:
         dtype: torch.dtype,
     ) -> None:
         shape = (num_blocks * block_size, cfg.num_kv_heads, cfg.head_dim)  # (slots, K, D)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_layers)]
+        self.k = [huge_pages.zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
+        self.v = [huge_pages.zeros(shape, dtype, device) for _ in range(cfg.num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = torch.device(device)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ember import huge_pages
 from ember.config import ModelConfig
 from ember.errors import CheckpointError, EmberError
 from ember.loading.hub import ResolvedModel, resolve
@@ -19,7 +20,7 @@ from ember.loading.safetensors import (
     read_hf_config,
     read_json,
 )
-from ember.loading.weights import WeightSource, build_model, into_huge_pages
+from ember.loading.weights import WeightSource, build_model
 from ember.models.decoder import Decoder
 from ember.models.registry import config_from_hf, get_family
 from ember.tokenizer import Tokenizer
@@ -212,7 +213,7 @@ def load(
     else:
         model = read_model()
     if dev.type == "cpu":  # every step streams the weights: in huge pages, far fewer TLB misses
-        into_huge_pages(model)
+        huge_pages.into(model)
     eos = tuple(dict.fromkeys(extra_eos + tuple(tokenizer.eos_token_ids) + cfg.eos_token_ids))
     if not eos:
         raise CheckpointError(f"{resolved.path}: no end-of-sequence token id in the config or tokenizer")

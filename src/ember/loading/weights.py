@@ -13,11 +13,7 @@ large checkpoint never needs its whole float model in memory (with a lazy source
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
-import os
-import sys
 from typing import Protocol
 
 import torch
@@ -94,71 +90,6 @@ def check_memory(
             f"{what} needs {need / 1e9:.1f} GB of {str(dtype).removeprefix('torch.')} weights but {device} has "
             f"{free / 1e9:.1f} GB available (try {hint})"
         )
-
-
-HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
-
-
-def _huge_pages_on() -> bool:
-    """Whether Linux backs memory asked with madvise by transparent huge pages (THP not "never"), and Ember may
-    ask (EMBER_HUGE_PAGES=0: not)."""
-    if (
-        os.environ.get("EMBER_HUGE_PAGES") == "0"
-        or sys.platform != "linux"
-        or not hasattr(mmap, "MADV_HUGEPAGE")
-    ):
-        return False
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return "[never]" not in f.read()
-    except OSError:
-        return False
-
-
-def _huge_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of contiguous CPU tensor `t` whose whole 2 MB pages of memory are advised to be huge pages (the rest
-    ordinary), in an anonymous mapping the copy owns (unmapped when the last view of it goes)."""
-    n = t.nbytes
-    region = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping
-    start = -raw.data_ptr() % HUGE_PAGE
-    with contextlib.suppress(OSError):  # a kernel without THP: ordinary pages, the copy as good as the tensor
-        region.madvise(mmap.MADV_HUGEPAGE, start, n // HUGE_PAGE * HUGE_PAGE)
-    out = raw[start : start + n].view(t.dtype).view(t.shape)
-    out.copy_(t)
-    return out
-
-
-def into_huge_pages(model: nn.Module) -> int:
-    """Moves `model`'s contiguous CPU parameters and buffers of a huge page (2 MB) or more into memory advised to
-    be transparent huge pages, where Linux has them (`_huge_pages_on`); returns the bytes moved. A decode step
-    streams every weight once, and in 4 KB pages that is a TLB miss (a page walk) every 4 KB: ~170k a step of a
-    1B model's 680 MB; in 2 MB pages, 512 times fewer. A tensor held by several modules stays one tensor."""
-    if not _huge_pages_on():
-        return 0
-    moved: dict[int, torch.Tensor] = {}
-    params: set[int] = set()
-    total = 0
-
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        if t.device.type != "cpu" or t.nbytes < HUGE_PAGE or not t.is_contiguous():
-            return t
-        if t.data_ptr() not in moved:
-            moved[t.data_ptr()] = _huge_copy(t)
-            total += t.nbytes
-        return moved[t.data_ptr()]
-
-    with torch.no_grad():
-        for module in model.modules():
-            for name, b in module._buffers.items():
-                if b is not None:
-                    module._buffers[name] = copy(b)
-            for p in module._parameters.values():
-                if p is not None and id(p) not in params:  # a tied parameter: once
-                    params.add(id(p))
-                    p.data = copy(p.data)
-    return total
 
 
 def _describe(names: list[str], limit: int = 5) -> str:
