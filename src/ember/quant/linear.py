@@ -858,10 +858,10 @@ class Int8BlockLinear(QuantLinear):
 
 class JoinedLinear(QuantLinear):
     """A fused projection (q/k/v, gate/up) whose parts a file holds in different kinds of codes, kept as a run of
-    modules, one a kind, their outputs side by side: a Q4_K_M file's q and k in Q4_K beside a v in Q6_K run as
-    int4 groups and 6-bit blocks, not all of it as 6-bit blocks with mins (7.25 bits a weight; `ember.loading.
-    weights.build_model`). Each part keeps its own kernel; the same weights, the same values (each output the
-    same sums). Not a scheme: a scheme asked of it quantizes the weights it stands for (`dequantize`)."""
+    modules, one a kind, their outputs side by side (`build_model` in `ember.loading.weights`): a Q4_K_M file's
+    q and k in Q4_K beside a v in Q6_K run as int4 groups and 6-bit blocks, not all of it as 6-bit blocks with
+    mins (7.25 bits a weight). Each part keeps its own kernel; the same weights, the same values (each output
+    the same sums). Not a scheme: a scheme asked of it quantizes the weights it stands for (`dequantize`)."""
 
     scheme = "joined"
 
