@@ -232,7 +232,7 @@ def build_model(
                 if get_int4 is not None and (codes := get_int4(renamed[p], group_size)) is not None:
                     parts.append(("int4", codes))
                 elif get_int8 is not None and (codes := get_int8(renamed[p])) is not None:
-                    bits = Int8BlockLinear.from_codes(*codes, None, dtype).code_bits()
+                    bits = Int8BlockLinear.code_bits(codes[0])
                     parts.append((bits, codes))
                 else:
                     return None

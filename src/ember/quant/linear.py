@@ -778,26 +778,31 @@ class Int8BlockLinear(QuantLinear):
         w = codes.float().reshape(rows, -1, self.block) * scales[..., None]
         return (w if mins is None else w + mins[..., None]).reshape(rows, self.in_features)
 
+    @staticmethod
+    def code_bits(codes: torch.Tensor) -> int:
+        """The fewest bits a weight the CPU kernels hold int8 codes (N, K) in: 5 where each row's codes are
+        within 0..31, or -16..15 (taken up by 16: `narrow_codes`); 6 where all are within -32..31; else 8."""
+        low, high = codes.amin(dim=1).to(torch.int16), codes.amax(dim=1).to(torch.int16)
+        up = torch.where(low < 0, 16, 0).to(torch.int16)
+        if bool((low + up >= 0).all()) and bool((high + up <= 31).all()):
+            return 5
+        return 6 if bool(low.min() >= -32) and bool(high.max() <= 31) else 8
+
     def narrow_codes(self, bits: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """The codes as `bits`-bit ones and the mins that keep the weights, or None where some row's codes do not
-        fit. 5 bits: unsigned (0..31; not Q8_0, Q6_K), a row with codes below 0 (Q5_0, Q3_K: within -16..15)
-        taken up by 16 and its min down by 16 of its scales (exact for those types, which have no min). 6 bits:
-        signed, -32..31 as they are (every type but Q8_0)."""
-        low, high = self.qweight.amin(dim=1), self.qweight.amax(dim=1)
-        if bits == 6:
-            return (self.qweight, self.mins) if bool(low.min() >= -32) and bool(high.max() <= 31) else None
-        up = torch.where(low < 0, 16, 0).to(torch.int16)
-        if bool((low + up < 0).any()) or bool((high + up > 31).any()):
+        fit (`code_bits`). 5 bits: unsigned (0..31; not Q8_0, Q6_K), a row with codes below 0 (Q5_0, Q3_K:
+        within -16..15) taken up by 16 and its min down by 16 of its scales (exact for those types, which have no
+        min). 6 bits: signed, -32..31 as they are (every type but Q8_0)."""
+        if self.code_bits(self.qweight) > bits:
             return None
+        if bits == 6:
+            return self.qweight, self.mins
+        up = torch.where(self.qweight.amin(dim=1) < 0, 16, 0).to(torch.int16)
         codes = (self.qweight.to(torch.int16) + up[:, None]).to(torch.uint8)
         if not bool(up.any()):
             return codes, self.mins
         mins = torch.zeros_like(self.scales) if self.mins is None else self.mins
         return codes, mins - up[:, None].float() * self.scales
-
-    def code_bits(self) -> int:
-        """The fewest bits a weight the CPU kernels hold these codes in: 5, 6 (`narrow_codes`) or 8."""
-        return next((bits for bits in (5, 6) if self.narrow_codes(bits) is not None), 8)
 
     def prepare(self) -> None:
         if self.qweight is None:  # prepared already: the kernel's tiles hold the codes
@@ -805,7 +810,7 @@ class Int8BlockLinear(QuantLinear):
         cpu = self.qweight.device.type == "cpu" and self.dtype == torch.float32
         if cpu and cpu_ext.fits(self.out_features, self.in_features) and cpu_ext.available():
             self._kernel = "cpu_f32"
-            self._bits = self.code_bits()
+            self._bits = self.code_bits(self.qweight)
             if self._bits == 8:
                 mins, (tiles, high) = self.mins, (cpu_ext.int8_tiles(self.qweight), None)
             else:
