@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ember.engine.cpu_step import EagerCpuStep
 from ember.engine.inductor_compat import cheap_fallback_messages
 from ember.engine.kv_cache import StaticKVCache
 from ember.engine.sampler import SamplingParams, SamplingTensors, apply_penalties, make_generator, sample
@@ -333,6 +334,9 @@ class Generator:
                 self._use_aoti(self.cache)
             self._graph = None  # the old cache's graphs go with it
             self._compile_steps()
+            if self.device.type == "cpu" and not self.compiled and not self._aoti:
+                # the eager step as a flat run of kernel calls, where the model is one it runs
+                self._decode = EagerCpuStep.build(self.model, self.cache) or self._forward
             if self._own_graph:
                 self._graph = DecodeGraph(self._decode, self.cache, self.device)
         return self.cache

@@ -60,7 +60,7 @@ from ember.paths import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_gemv.cpp", CSRC / "cpu_attention.cpp", CSRC / "cpu_norm.cpp")
+SOURCES = (CSRC / "cpu_gemv.cpp", CSRC / "cpu_attention.cpp", CSRC / "cpu_norm.cpp", CSRC / "cpu_step.cpp")
 NAMESPACE = "ember_cpu"
 TILE = 16  # output rows of a tile: N must be a multiple
 BLOCK = 32  # k of an activation block (int4) and of a tile's run of bytes: K must be a multiple

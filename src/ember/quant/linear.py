@@ -19,6 +19,7 @@ Shape legend: N output features, K input features, g group size, M rows of activ
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -99,6 +100,16 @@ def float_gemm_as_kernel(
     return round_bf16(y if scales is None else y * scales)
 
 
+@dataclass(frozen=True)
+class RowKernel:
+    """One activation row's forward as kernel calls (`QuantLinear.row_kernel`): each of `calls` is (op, operands),
+    op(x, *operands) with op the name of an `ember_cpu` kernel or "linear" (F.linear); their outputs side by
+    side (a joined projection's parts), then `bias` added."""
+
+    calls: tuple[tuple[str, tuple], ...]
+    bias: torch.Tensor | None = None
+
+
 class QuantLinear(nn.Module):
     """Base: y = x @ dequantize().T + bias. Subclasses store weights their way and choose the kernel."""
 
@@ -147,6 +158,15 @@ class QuantLinear(nn.Module):
 
     def _add_bias(self, y: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
+
+    def row_kernel(self) -> RowKernel | None:
+        """This module's forward of one float32 activation row (1, K) -> (1, N) as kernel calls (`RowKernel`), where
+        the kernel `prepare()` chose takes the row as it is: what an eager CPU decode step runs in place of the
+        module (`ember.engine.cpu_step`). The same ops as `forward`, so the same values; None: call the module."""
+        return None
+
+    def _row(self, op: str, *operands) -> RowKernel:
+        return RowKernel(((op, operands),), self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
@@ -648,6 +668,16 @@ class Int4WeightOnlyLinear(QuantLinear):
             y = kernels.int4_linear(x2, self.qweight, self._s16, self._z16, self.group_size)
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
 
+    def row_kernel(self) -> RowKernel | None:
+        if self.dtype != torch.float32:
+            return None
+        if self._kernel == "cpu_f32":
+            units = self._scale_min_units
+            return self._row("int4_gemv_f32", self._tiles, self._tile_scale_min, self.group_size, units)
+        if self._kernel == "cpu_dot" and not self._on_tile_unit(1):
+            return self._row("int4_gemv", self._tiles, self._scale_min, self.group_size)
+        return None
+
 
 class Int8BlockLinear(QuantLinear):
     """int8 codes with a float32 scale a block of 16 or 32 along K, and for some a float32 min, w = code * scale
@@ -860,6 +890,14 @@ class Int8BlockLinear(QuantLinear):
             y = F.linear(x2, self.dequantize().to(x.dtype))
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
 
+    def row_kernel(self) -> RowKernel | None:
+        if self._kernel != "cpu_f32" or self.dtype != torch.float32:
+            return None
+        factors = (self._tile_scales, self.block, self._tile_mins, self._scale_units, self._min_units)
+        if self._high is None:
+            return self._row("int8_gemv_f32", self._tiles, *factors)
+        return self._row(f"int{self._bits}_gemv_f32", self._tiles, self._high, *factors)
+
 
 class JoinedLinear(QuantLinear):
     """A fused projection (q/k/v, gate/up) whose parts a file holds in different kinds of codes, kept as a run of
@@ -900,6 +938,12 @@ class JoinedLinear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._add_bias(torch.cat([p(x) for p in self.parts], dim=-1))
+
+    def row_kernel(self) -> RowKernel | None:
+        rows = [p.row_kernel() for p in self.parts]  # parts have no biases
+        if any(r is None for r in rows):
+            return None
+        return RowKernel(tuple(call for r in rows for call in r.calls), self.bias)
 
 
 def outer_quantized(model: nn.Module):
@@ -983,6 +1027,11 @@ class Int8DynActLinear(Int8WeightOnlyLinear):
         acc = torch._int_mm(xq, self._wt)  # (M, N) int32
         y = (acc.float() * x_scale * self.scales).to(x.dtype)
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
+
+    def row_kernel(self) -> RowKernel | None:
+        if not self._gemv or self.dtype != torch.float32:
+            return None
+        return self._row("int8_gemv", self._tiles, self.scales)
 
 
 def float_linear(x: torch.Tensor, module: QuantLinear) -> torch.Tensor:

@@ -1,0 +1,124 @@
+"""The eager CPU decode step as a flat run of kernel calls (`ember.engine.cpu_step`) against the module path: the
+same logits bit for bit at every decode step, one C++ call for the layers (`DecodeLayers`) and its Python twin,
+for every family's layer form (pre-, sandwich and post-norm, q/k norms, biases, multipliers, local rope) and
+every kernel a projection runs (float, int4 groups with float or int8 activations, 5/6/8-bit blocks, joined
+parts, int8-dyn); the Generator decodes with it where it runs, and keeps the module path where it does not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.engine.cpu_step import EagerCpuStep
+from ember.engine.generate import Generator
+from ember.ops import cpu_ext
+from ember.quant import quantize_model
+from tests.conftest import load_hf_dir
+from tests.loading.test_gguf import QT, _kept, _write_wide_llama
+from tests.models.test_families import CASES, _reference
+
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="Ember's CPU kernels are not built here")
+
+UNSUPPORTED = {"gemma2", "mixtral-window", "qwen3-moe", "qwen3-moe-normalized-sparse-step"}  # softcap, MoE
+
+
+@torch.inference_mode()
+def assert_same_steps(model, *, native: bool, steps: int = 6) -> Generator:
+    """Prefill a prompt, then decode greedily: each step's logits from the module path, the C++ step and the
+    Python step, equal. native: whether every projection has a row kernel (the layers one C++ call)."""
+    gen = Generator(model, device=torch.device("cpu"), context=64)
+    prompt = torch.randint(3, model.config.vocab_size, (7,)).tolist()
+    cache = gen._cache_for(len(prompt) + steps)
+    assert isinstance(gen._decode, EagerCpuStep)  # what the generator decodes with
+    assert (gen._decode.native is not None) == native
+    flat, twin = EagerCpuStep.build(model, cache), EagerCpuStep.build(model, cache, native=False)
+    assert twin.native is None
+    token = gen._run_prefill(prompt, cache).argmax(-1)
+    for i in range(steps):
+        tokens, pos = token.view(1, 1), torch.tensor([[len(prompt) + i]])
+        want = gen._forward(tokens, pos, cache)  # (1, V)
+        for step in (flat, twin):
+            got = step(tokens, pos, cache)
+            assert got.shape == want.shape and torch.equal(got, want), (i, step.native is not None)
+        token = want.argmax(-1)
+    return gen
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def family(request, tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp(request.param)
+    _reference(request.param).save_pretrained(path)
+    return request.param, load_hf_dir(path)
+
+
+def test_every_family_decodes_the_module_paths_logits(family):
+    case, model = family
+    if case in UNSUPPORTED:
+        gen = Generator(model, device=torch.device("cpu"), context=64)
+        gen._cache_for(16)
+        assert gen._decode == gen._forward  # the module path, which runs them
+        return
+    assert_same_steps(model, native=True)
+
+
+@pytest.mark.parametrize("scheme", ["int4-g32", "int8-dyn", "int8"])
+@pytest.mark.parametrize("case", ["qwen2-bias-tied-window", "granite", "gemma3-linear-rope"])
+def test_quantized_projections_decode_the_module_paths_logits(tmp_path, case, scheme):
+    # int4 groups (int8 activations: `int4_gemv`) and int8-dyn (`int8_gemv`) have row kernels; int8
+    # weight-only has none: the Python step calls the module
+    torch.manual_seed(0)
+    _reference(case).save_pretrained(tmp_path)
+    model = quantize_model(load_hf_dir(tmp_path), scheme)
+    assert_same_steps(model, native=scheme != "int8")
+
+
+def test_a_gguf_files_kept_codes_decode_the_module_paths_logits(tmp_path):
+    # int4 groups with float activations (Q4_0/Q4_1/Q4_K), 5-bit (Q5_K, Q3_K, Q2_K, Q5_1), 6-bit (Q6_K) and
+    # 8-bit (Q8_0) blocks, and projections joined from parts of different kinds
+    path = tmp_path / "k.gguf"
+    types = [
+        dict(q=QT.Q4_K, k=QT.Q4_K, v=QT.Q6_K, output=QT.Q4_0, gate=QT.Q2_K, up=QT.Q5_1, down=QT.Q8_0),
+        dict(q=QT.Q3_K, k=QT.Q6_K, v=QT.Q2_K, output=QT.Q4_1, gate=QT.Q5_K, up=QT.Q6_K, down=QT.Q5_1),
+    ]
+    _write_wide_llama(path, QT.Q6_K, lambda i: types[i], seed=5)
+    model = _kept(path)
+    kernels = {
+        op
+        for layer in model.model.layers
+        for m in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+        for op, _ in m.row_kernel().calls
+    }
+    assert kernels == {"int4_gemv_f32", "int5_gemv_f32", "int6_gemv_f32", "int8_gemv_f32"}
+    assert any(len(layer.self_attn.qkv_proj.row_kernel().calls) > 1 for layer in model.model.layers)  # joined
+    assert_same_steps(model, native=True)
+
+
+def test_the_default_model_decodes_the_module_paths_tokens(smollm2_gguf):
+    from ember.loading.checkpoint import load
+
+    model = load(smollm2_gguf, device="cpu", progress=False).model
+    gen = assert_same_steps(model, native=True, steps=3)
+    # and greedy generation through the Generator (the flat step) gives the module path's tokens
+    from ember.engine.sampler import SamplingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646]
+    flat = [s.token_id for s in gen.generate(prompt, params, (), None)]
+    gen._decode = gen._forward
+    assert [s.token_id for s in gen.generate(prompt, params, (), None)] == flat
+
+
+def test_a_compiled_or_cuda_generator_keeps_its_own_step(monkeypatch):
+    from tests.conftest import tiny_random_model
+
+    monkeypatch.setenv("EMBER_AOTI", "0")
+    model = tiny_random_model(monkeypatch)
+    gen = Generator(model, device=torch.device("cpu"), context=64, compile=True)
+    gen._cache_for(16)
+    assert not isinstance(gen._decode, EagerCpuStep)
