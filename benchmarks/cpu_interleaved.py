@@ -11,9 +11,10 @@ logits of the last position only).
 
     PYTHONPATH=src taskset -c 0,1 python benchmarks/cpu_interleaved.py --scheme int4-g32 --rounds 5
     PYTHONPATH=src taskset -c 0,1 python benchmarks/cpu_interleaved.py --turns round --rounds 9
-    PYTHONPATH=src taskset -c 0,1 python benchmarks/cpu_interleaved.py --gguf FILE --scheme default
+    PYTHONPATH=src taskset -c 0,1 python benchmarks/cpu_interleaved.py --gguf FILE --scheme default --eager
 
-`--gguf FILE` runs another GGUF file (both engines; say `gguf_requantize.py --shape llama-3.2-1b`'s) in place of
+`--eager` adds Ember's eager step (`ember.engine.cpu_step`: what `generate` and `chat` run without a compiled
+package) as a third engine in the same turns. `--gguf FILE` runs another GGUF file (both engines; say `gguf_requantize.py --shape llama-3.2-1b`'s) in place of
 the default model's.
 
 Step by step, each engine's step starts with the other's weights in the caches; `--turns round` runs one
@@ -69,6 +70,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--transformers", action="store_true", help="also time transformers' prefill in turn")
     ap.add_argument(
+        "--eager",
+        action="store_true",
+        help="also Ember's eager step (no compiled step: `generate`'s and `chat`'s default without a package)",
+    )
+    ap.add_argument(
         "--gguf", default=None, help="a GGUF file for both engines (default: the default model's)"
     )
     ap.add_argument(
@@ -95,6 +101,10 @@ def main() -> None:
         ),
         "llama.cpp (GGUF weights)": LlamaCppSteps(path, args.threads),
     }
+    if args.eager:
+        engines[f"Ember {args.scheme} (eager)"] = Generator(
+            loaded.model, device=torch.device("cpu"), context=512, compile=False
+        )
     for name, engine in engines.items():  # warm-up: compiles (or loads the compiled step)
         t = time.perf_counter()
         for _ in engine.generate(prompt, params, (), None):

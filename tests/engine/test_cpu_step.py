@@ -73,6 +73,13 @@ def test_quantized_projections_decode_the_module_paths_logits(tmp_path, case, sc
     assert_same_steps(model, native=scheme != "int8")
 
 
+def test_a_bfloat16_model_decodes_the_module_paths_logits(tmp_path):
+    torch.manual_seed(0)
+    _reference("qwen3-head_dim-yarn").save_pretrained(tmp_path)
+    model = load_hf_dir(tmp_path).to(torch.bfloat16)
+    assert_same_steps(model, native=True)
+
+
 def test_a_gguf_files_kept_codes_decode_the_module_paths_logits(tmp_path):
     # int4 groups with float activations (Q4_0/Q4_1/Q4_K), 5-bit (Q5_K, Q3_K, Q2_K, Q5_1), 6-bit (Q6_K) and
     # 8-bit (Q8_0) blocks, and projections joined from parts of different kinds
