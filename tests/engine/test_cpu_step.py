@@ -129,3 +129,48 @@ def test_a_compiled_or_cuda_generator_keeps_its_own_step(monkeypatch):
     gen = Generator(model, device=torch.device("cpu"), context=64, compile=True)
     gen._cache_for(16)
     assert not isinstance(gen._decode, EagerCpuStep)
+
+
+@pytest.mark.parametrize(
+    "case", ["qwen2-bias-tied-window", "gemma3-linear-rope", "olmo2", "granite", "phi3-longrope-partial"]
+)
+@torch.inference_mode()
+def test_a_paged_batch_of_decode_rows_gives_the_module_paths_rows(tmp_path, case):
+    """The server's steps (`ModelRunner`): rows of several requests at different positions, each one token, in a
+    paged cache; the flat step's final rows (C++ and Python) equal the model forward's bit for bit."""
+    from types import SimpleNamespace
+
+    from ember.engine.core import ModelRunner
+    from ember.engine.paged_cache import PagedKVCache
+    from ember.engine.request import Request
+    from ember.engine.sampler import SamplingParams
+    from ember.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+    torch.manual_seed(0)
+    _reference(case).save_pretrained(tmp_path)
+    model = load_hf_dir(tmp_path)
+    cfg, block = model.config, 4
+    cache = PagedKVCache(cfg, num_blocks=48, block_size=block, device="cpu", dtype=torch.float32)
+    loaded = SimpleNamespace(model=model, dtype=torch.float32, device=torch.device("cpu"), config=cfg)
+    runner = ModelRunner(loaded, cache)
+    assert runner.flat is not None and runner.flat.native is not None
+    twin = EagerCpuStep.build(model, cache, native=False)
+    params = SamplingParams(max_tokens=8, temperature=0)
+    reqs = []
+    for i, n in enumerate((11, 3, 17)):  # past the sliding windows and Phi-3's original context
+        r = Request(
+            str(i), torch.randint(3, cfg.vocab_size, (n,)).tolist(), params, 8, None, torch.Generator()
+        )
+        r.blocks = list(range(16 * i, 16 * i + 16))
+        runner.execute(SchedulerOutput([ScheduledRequest(r, n)]))  # the prefill: the module path
+        r.num_computed, r.output_ids = n, [5]
+        reqs.append(r)
+    for _ in range(5):
+        tokens, batch, _ = runner._batch(SchedulerOutput([ScheduledRequest(r, 1) for r in reqs]))
+        cache.set_batch(batch)
+        want = model(tokens, batch.positions, cache)[0]  # (N, E)
+        for step in (runner.flat, twin):
+            assert torch.equal(step.paged(tokens, batch, cache), want), step.native is not None
+        for r, t in zip(reqs, model.compute_logits(want).argmax(-1).tolist(), strict=True):
+            r.num_computed += 1
+            r.output_ids.append(t)

@@ -18,6 +18,7 @@ import torch
 
 from ember.config import ModelConfig
 from ember.engine.block_manager import BlockManager
+from ember.engine.cpu_step import EagerCpuStep
 from ember.engine.output import TextAssembler
 from ember.engine.paged_cache import PagedBatch, PagedKVCache
 from ember.engine.request import Request, RequestUpdate, Status
@@ -31,6 +32,8 @@ from ember.errors import (
     non_finite_logits_message,
 )
 from ember.loading.checkpoint import LoadedModel
+from ember.ops import cpu_ext
+from ember.quant.linear import INT8_GEMV_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +75,12 @@ class RunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it has no token (NaN logits)
 
 
+# Up to this many decode rows a step runs the flat CPU step: its projections' row kernels are the ones their
+# forwards take for so few rows (int8-dyn's own kernel up to `INT8_GEMV_ROWS`, int4 off the tile unit below
+# `cpu_ext.AMX_BF16_ROWS`).
+FLAT_ROWS = min(INT8_GEMV_ROWS, cpu_ext.AMX_BF16_ROWS - 1)
+
+
 class ModelRunner:
     """Turns a SchedulerOutput into one packed forward pass, then samples the requests that need a token."""
 
@@ -81,6 +90,8 @@ class ModelRunner:
         self.cache = cache
         self.device = loaded.device
         self.vocab_size = loaded.config.vocab_size
+        # On a CPU, batches of decode rows run the eager step's layers as one C++ call (`ember.engine.cpu_step`)
+        self.flat = EagerCpuStep.build(self.model, cache) if self.device.type == "cpu" else None
 
     def _batch(self, sched: SchedulerOutput) -> tuple[torch.Tensor, PagedBatch, list[int]]:
         bs = self.cache.block_size
@@ -126,7 +137,10 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         tokens, batch, sample_index = self._batch(sched)
         self.cache.set_batch(batch)
-        hidden = self.model(tokens, batch.positions, self.cache)  # (1, N, E)
+        if self.flat is not None and not batch.prefills and tokens.shape[1] <= FLAT_ROWS:
+            hidden = self.flat.paged(tokens, batch, self.cache)[None]  # (1, N, E), the same values
+        else:
+            hidden = self.model(tokens, batch.positions, self.cache)  # (1, N, E)
         out = RunnerOutput({}, {})
         sampling = [
             s.request

@@ -1,36 +1,42 @@
 """The eager decode step on a CPU as a flat run of kernel calls: the module path's ops, without its Python.
 
-An eager step (`ember generate`, `chat` and `bench` on a CPU without an AOTInductor package) runs each layer
-through nn.Module calls, keyword plumbing for the CUDA-only layer forms, and a projection's `forward` choosing
-its kernel on every call: SmolLM2-135M's 30 layers spent ~4 ms of an ~9 ms step in Python, around ~4.5 ms of
-kernels. `EagerCpuStep` is built once per cache: each projection becomes one bound kernel call
-(`QuantLinear.row_kernel`; a float `Linear` is `F.linear`; any other module is called as it is), each norm
-Ember's C++ norm kernel with its operands bound, and a layer a short run of those calls over one row. The
-ops, their order and their operands are the module path's, so the logits are the same bit for bit
-(tests/engine/test_cpu_step.py).
+An eager step (`ember generate`, `chat` and `bench` on a CPU without an AOTInductor package, and every step of
+`ember serve` there) runs each layer through nn.Module calls, keyword plumbing for the CUDA-only layer forms,
+and a projection's `forward` choosing its kernel on every call: SmolLM2-135M's 30 layers spent ~4 ms of an
+~9 ms step in Python, beside ~4.5 ms of kernels. `EagerCpuStep` is built once per cache. Each projection
+becomes its kernel calls with their operands (`QuantLinear.row_kernel`; a float `Linear` is `F.linear`), and
+the layers one C++ call (`DecodeLayers`, `ops/csrc/cpu_step.cpp`) that runs them through the dispatcher in the
+module path's order: the same ops on the same operands, so the same values bit for bit
+(tests/engine/test_cpu_step.py). Where some projection has no row kernel (int8 weight-only, a bf16 int4) the
+same calls run from Python, that module called as it is. `EMBER_CPU_STEP=0` keeps the module path.
 
-It runs one row at a position (B = T = 1) of a `StaticKVCache` whose attention is Ember's C++ kernel, for
-decoders whose layers are all a gated MLP and attention without a logit softcap; `build` answers None for
-anything else, and the Generator keeps the module path.
+It runs decode rows, one token each: one row of a `StaticKVCache` (the Generator's `_forward`), or a
+`PagedKVCache`'s batch of them (`ModelRunner.execute`, batches without a prefill, up to `core.FLAT_ROWS`
+rows), where attention is Ember's C++ kernel, for decoders whose layers are all a gated MLP and attention
+without a logit softcap; `build` answers None for anything else, and the module path runs.
 
-Shape legend: E hidden size, H query heads, K kv heads, D head dim, V vocab.
+Shape legend: N rows, E hidden size, H query heads, K kv heads, D head dim, V vocab.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ember.engine.kv_cache import StaticKVCache
+from ember.engine.paged_cache import PagedBatch, PagedKVCache
 from ember.models.decoder import ACTIVATIONS, MLP, Decoder, DecoderLayer
 from ember.ops import cpu_ext
 from ember.ops.linear import Linear
 from ember.ops.norm import RMSNorm
 from ember.quant.linear import QuantLinear, RowKernel
 
+ENV = "EMBER_CPU_STEP"  # "0": the module path (for A/B runs)
 RowFn = Callable[[torch.Tensor], torch.Tensor]
 # The program's kernel names, in the order of `cpu_step.cpp`'s `Kernel`.
 KERNELS = (
@@ -124,7 +130,7 @@ class _Program:
         self.tensor(kernel.bias)
 
     @classmethod
-    def of(cls, model: Decoder, cache: StaticKVCache) -> _Program | None:
+    def of(cls, model: Decoder, cache: StaticKVCache | PagedKVCache) -> _Program | None:
         """The program, or None where a projection has no row kernel or an activation is not one it names."""
         p = cls()
         placement = model.config.norm_placement
@@ -163,10 +169,22 @@ class _Program:
         return p
 
 
-class _Layer:
-    """One layer's calls, bound."""
+@dataclass
+class _Step:
+    """What a step's layers share (`cpu_step.cpp`'s `Step`): the rows' rope tables (local ones for sliding-window
+    layers) and where keys and values go: a static cache's positions, or a paged cache's slots."""
 
-    def __init__(self, layer: DecoderLayer, index: int, cache: StaticKVCache) -> None:
+    tables: dict[bool, tuple[torch.Tensor, torch.Tensor]]  # uses local rope -> (cos, sin), (N, D/2) each
+    positions: torch.Tensor  # (N,)
+    slot_mapping: torch.Tensor | None = None  # paged: (N,) slots this step writes
+    decode_slots: torch.Tensor | None = None  # paged: (N, S) the slots each row reads
+
+
+class _Layer:
+    """One layer's calls, bound: the Python twin of `DecodeLayers`, for models with a projection that has no
+    row kernel."""
+
+    def __init__(self, layer: DecoderLayer, index: int, cache: StaticKVCache | PagedKVCache) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.H, self.K, self.D = attn.H, attn.K, attn.D
         self.qkv, self.o = row_call(attn.qkv_proj), row_call(attn.o_proj)
@@ -178,7 +196,6 @@ class _Layer:
         self.scale, self.window = attn.scale, attn.window or 0
         self.local = layer.uses_local_rope
         self.m = layer.residual_multiplier
-        self.placement = layer.placement
         if layer.placement == "pre":
             self.add_input_norm = add_norm_call(layer.input_layernorm)
             self.add_post_norm = add_norm_call(layer.post_attention_layernorm)
@@ -190,21 +207,27 @@ class _Layer:
         if layer.placement in ("sandwich", "post"):
             self.post_ff_norm = norm_call(layer.post_feedforward_layernorm)
 
-    def attend(
-        self, n: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor
-    ) -> torch.Tensor:
-        """Attention's output projection of the normed row n (1, E) -> (1, E), this step's k, v cached."""
-        H, K, D = self.H, self.K, self.D
-        q, k, v = self.qkv(n).split([H * D, K * D, K * D], dim=-1)
+    def attend(self, n: torch.Tensor, step: _Step) -> torch.Tensor:
+        """Attention of the normed rows n (N, E), this step's k, v cached, through the output projection."""
+        N, H, K, D = n.shape[0], self.H, self.K, self.D
+        cos, sin = step.tables[self.local]
+        q, k, v = self.qkv(n).split_with_sizes([H * D, K * D, K * D], dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.view(1, H, D), k.view(1, K, D), v.view(1, K, D)  # (1, H, D), (1, K, D), (1, K, D)
+        q, k, v = q.view(N, H, D), k.view(N, K, D), v.view(N, K, D)  # (N, H, D), (N, K, D), (N, K, D)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        out = torch.ops.ember_cpu.rope_decode_attention.default(
-            q, k, v, cos, sin, self.k_cache, self.v_cache, pos, self.scale, self.window
-        )  # (1, H, D)
-        return self.o(out.view(1, H * D))
+        ops = torch.ops.ember_cpu
+        if step.slot_mapping is not None:
+            q = ops.rope_write.default(q, k, v, cos, sin, self.k_cache, self.v_cache, step.slot_mapping)
+            out = ops.paged_decode_attention.default(
+                q, self.k_cache, self.v_cache, step.decode_slots, step.positions, self.scale, self.window
+            )  # (N, H, D)
+        else:
+            out = ops.rope_decode_attention.default(
+                q, k, v, cos, sin, self.k_cache, self.v_cache, step.positions, self.scale, self.window
+            )  # (N, H, D)
+        return self.o(out.view(N, H * D))
 
     def mlp(self, n: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(n).chunk(2, dim=-1)
@@ -212,9 +235,10 @@ class _Layer:
 
 
 class EagerCpuStep:
-    """`Generator._forward` for one decode row on a CPU: tokens, positions (1, 1) -> float32 logits (1, V)."""
+    """The eager step's layers and what surrounds them: `__call__` is `Generator._forward` for one decode row of a
+    static cache; `paged` the model runner's forward for a paged cache's batch of decode rows."""
 
-    def __init__(self, model: Decoder, cache: StaticKVCache, native: bool = True) -> None:
+    def __init__(self, model: Decoder, cache: StaticKVCache | PagedKVCache, native: bool = True) -> None:
         """native: the layers as one C++ call (`DecodeLayers`) where every projection has a row kernel; else (or
         False) as Python calls of the same ops."""
         self.model = model
@@ -230,15 +254,20 @@ class EagerCpuStep:
         self.add_final_norm = add_norm_call(model.model.norm)
 
     @classmethod
-    def build(cls, model: Decoder, cache: StaticKVCache, native: bool = True) -> EagerCpuStep | None:
-        """The step for this model and cache, or None where some part of it is not one this step runs."""
+    def build(
+        cls, model: Decoder, cache: StaticKVCache | PagedKVCache, native: bool = True
+    ) -> EagerCpuStep | None:
+        """The step for this model and cache (a static one of one row, or a paged one), or None where some part
+        of it is not one this step runs."""
+        if os.environ.get(ENV) == "0":
+            return None
         cfg = model.config
         activations = model.model.norm.weight.dtype
         norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
         fits = (
-            cache.batch_size == 1
+            (isinstance(cache, PagedKVCache) or cache.batch_size == 1)
             and cache._cpu_attention
-            and cfg.norm_placement in ("pre", "sandwich", "post")
+            and cfg.norm_placement in PLACEMENTS
             and activations in (torch.float32, torch.bfloat16)
             and cache.k[0].dtype == activations
             and all(n.weight.dtype == activations for n in norms)
@@ -250,45 +279,62 @@ class EagerCpuStep:
         return cls(model, cache, native) if fits else None
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """tokens, positions (1, 1) -> float32 logits (1, V)."""
+        h = self._forward(tokens, positions, None, positions[:, 0], None, None)
+        return self.model.compute_logits(h)  # (1, V)
+
+    def paged(self, tokens: torch.Tensor, batch: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
+        """A paged batch of decode rows only (one token each; `batch.prefills` empty): tokens (1, N) -> the final
+        norm's rows (N, E), as the model's forward gives them (`Decoder.forward`; `ModelRunner.execute`)."""
+        cache.begin(
+            batch.positions
+        )  # each row's slots (`_decode_slots`), as the module path's attention reads
+        positions = batch.decode_lens - 1  # (N,)
+        return self._forward(tokens, batch.positions, batch.lengths, positions, batch.slot_mapping, cache)
+
+    def _forward(self, tokens, positions, lengths, rows_positions, slot_mapping, paged) -> torch.Tensor:
         model, cfg = self.model, self.model.config
-        x = model.model.embed_tokens(tokens).view(1, -1)  # (1, E)
+        x = model.model.embed_tokens(tokens)[0]  # (N, E)
         if cfg.embedding_multiplier != 1.0:
             # Gemma rounds sqrt(E) to the activation dtype before scaling (as `Decoder.forward`)
             x = x * torch.tensor(cfg.embedding_multiplier, dtype=x.dtype)
-        cos, sin = model.rope(positions, None)
-        tables = {False: (cos[:, 0], sin[:, 0])}
+        cos, sin = model.rope(positions, lengths)
+        tables = {False: (cos[0], sin[0])}  # (N, D/2) each
         if model.local_rope is not None:
-            local = model.local_rope(positions, None)
-            tables[True] = (local[0][:, 0], local[1][:, 0])
+            local_cos, local_sin = model.local_rope(positions, lengths)
+            tables[True] = (local_cos[0], local_sin[0])
         else:
             tables[True] = tables[False]
-        pos = positions[:, 0]
+        decode_slots = None if paged is None else paged._decode_slots
         if self.native is not None:
-            h = self.native.run(x, *tables[False], *tables[True], pos)
-        elif self.placement == "pre":
-            h = self._pre(x, tables, pos)
-        else:
-            h = x
-            for layer in self.layers:
-                cs = tables[layer.local]
-                if self.placement == "sandwich":
-                    h = h + layer.post_norm(layer.attend(layer.input_norm(h), *cs, pos))
-                    h = h + layer.post_ff_norm(layer.mlp(layer.pre_ff_norm(h)))
-                else:  # post
-                    h = h + layer.post_norm(layer.attend(h, *cs, pos))
-                    h = h + layer.post_ff_norm(layer.mlp(h))
-            h = self.final_norm(h)
-        return model.compute_logits(h)  # (1, V)
+            if paged is None:
+                return self.native.run(x, *tables[False], *tables[True], rows_positions)
+            return self.native.run_paged(
+                x, *tables[False], *tables[True], slot_mapping, decode_slots, rows_positions
+            )
+        step = _Step(tables, rows_positions, slot_mapping, decode_slots)
+        if self.placement == "pre":
+            return self._pre(x, step)
+        h = x
+        for layer in self.layers:
+            if self.placement == "sandwich":
+                h = h + layer.post_norm(layer.attend(layer.input_norm(h), step))
+                h = h + layer.post_ff_norm(layer.mlp(layer.pre_ff_norm(h)))
+            else:  # post
+                h = h + layer.post_norm(layer.attend(h, step))
+                h = h + layer.post_ff_norm(layer.mlp(h))
+        return self.final_norm(h)
 
-    def _pre(self, x: torch.Tensor, tables: dict, pos: torch.Tensor) -> torch.Tensor:
-        """Pre-norm layers, each add done by the norm after it (as `DecoderLayer.forward_pre`) -> the final norm's row."""
+    def _pre(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
+        """Pre-norm layers, each add done by the norm after it (as `DecoderLayer.forward_pre`) -> the final norm's
+        rows."""
         h, delta = x, None
         for layer in self.layers:
             if delta is None:
                 n = layer.input_norm(h)
             else:
                 h, n = layer.add_input_norm(h, delta)
-            a = layer.attend(n, *tables[layer.local], pos)
+            a = layer.attend(n, step)
             m = layer.m
             h, n = layer.add_post_norm(h, a * m if m != 1.0 else a)
             f = layer.mlp(n)

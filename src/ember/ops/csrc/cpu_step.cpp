@@ -4,7 +4,9 @@
 //
 // `DecodeLayers(tensors, program, reals)` reads a layer program built in Python (`cpu_step._Program`): ints that
 // name kernels, count operands and index `tensors` (-1: None), and the floats (eps, scales) in `reals`.
-// `run(x, cos, sin, local_cos, local_sin, positions)` -> the final norm's row (1, E).
+// `run(x, cos, sin, local_cos, local_sin, positions)`: one row of a static cache -> the final norm's row (1, E);
+// `run_paged(x, cos, sin, local_cos, local_sin, slot_mapping, decode_slots, positions)`: a paged cache's decode
+// rows, one token each -> (N, E).
 
 #include <ATen/ATen.h>
 #include <torch/custom_class.h>
@@ -41,6 +43,10 @@ using AddRmsNorm = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const a
                                                       double);
 using RopeAttention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&, double, int64_t);
+using RopeWrite = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&);
+using PagedAttention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, double, int64_t);
 
 // The kernels' handles, found once (the ops are registered when the library loads).
 struct Ops {
@@ -53,6 +59,8 @@ struct Ops {
   c10::TypedOperatorHandle<RmsNorm> rms_norm = handle<RmsNorm>("rms_norm");
   c10::TypedOperatorHandle<AddRmsNorm> add_rms_norm = handle<AddRmsNorm>("add_rms_norm");
   c10::TypedOperatorHandle<RopeAttention> rope_attention = handle<RopeAttention>("rope_decode_attention");
+  c10::TypedOperatorHandle<RopeWrite> rope_write = handle<RopeWrite>("rope_write");
+  c10::TypedOperatorHandle<PagedAttention> paged_attention = handle<PagedAttention>("paged_decode_attention");
 };
 
 const Ops& ops() {
@@ -178,6 +186,15 @@ struct Norm {
   }
 };
 
+// What a step's layers share: the rope tables of its rows (local ones for sliding-window layers where the model
+// has them) and where its keys and values go: a static cache's positions, or a paged cache's slots.
+struct Step {
+  at::Tensor cos, sin, local_cos, local_sin;
+  at::Tensor positions;  // (N,): each row's position
+  bool paged = false;
+  at::Tensor slot_mapping, decode_slots;  // paged: (N,) slots this step writes, (N, S) the slots each row reads
+};
+
 struct Layer {
   int64_t H, K, D, qk_norm, window, act;
   bool local;
@@ -199,16 +216,24 @@ struct Layer {
     qkv.emplace(r), o.emplace(r), gate_up.emplace(r), down.emplace(r);
   }
 
-  // Attention of the normed row n (1, E), this step's k and v cached, through the output projection.
-  at::Tensor attend(const at::Tensor& n, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& pos) const {
-    auto qkv_row = (*qkv)(n);
-    auto parts = qkv_row.split_with_sizes({H * D, K * D, K * D}, -1);
+  // Attention of the normed rows n (N, E), this step's k and v cached, through the output projection.
+  at::Tensor attend(const at::Tensor& n, const Step& step) const {
+    const int64_t N = n.size(0);
+    const at::Tensor& cos = local ? step.local_cos : step.cos;
+    const at::Tensor& sin = local ? step.local_sin : step.sin;
+    auto parts = (*qkv)(n).split_with_sizes({H * D, K * D, K * D}, -1);
     at::Tensor q = parts[0], k = parts[1], v = parts[2];
     if (qk_norm == kFull) q = q_norm(q), k = k_norm(k);
-    q = q.view({1, H, D}), k = k.view({1, K, D}), v = v.view({1, K, D});
+    q = q.view({N, H, D}), k = k.view({N, K, D}), v = v.view({N, K, D});
     if (qk_norm == kHead) q = q_norm(q), k = k_norm(k);
-    at::Tensor out = ops().rope_attention.call(q, k, v, cos, sin, k_cache, v_cache, pos, scale, window);  // (1, H, D)
-    return (*o)(out.view({1, H * D}));
+    at::Tensor out;  // (N, H, D)
+    if (step.paged) {
+      const at::Tensor roped = ops().rope_write.call(q, k, v, cos, sin, k_cache, v_cache, step.slot_mapping);
+      out = ops().paged_attention.call(roped, k_cache, v_cache, step.decode_slots, step.positions, scale, window);
+    } else {
+      out = ops().rope_attention.call(q, k, v, cos, sin, k_cache, v_cache, step.positions, scale, window);
+    }
+    return (*o)(out.view({N, H * D}));
   }
 
   at::Tensor mlp(const at::Tensor& n) const {
@@ -230,12 +255,23 @@ class DecodeLayers : public torch::CustomClassHolder {
     TORCH_CHECK(r.done(), "decode program has more than its layers");
   }
 
+  // One row of a static cache (B = 1): x (1, E) at positions (1,).
   at::Tensor run(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor local_cos, at::Tensor local_sin,
-                 at::Tensor pos) const {
+                 at::Tensor positions) const {
+    return layers(x, Step{cos, sin, local_cos, local_sin, positions});
+  }
+
+  // A paged cache's decode rows, one token each: x (N, E), written at slot_mapping (N,), each row attending
+  // over decode_slots (N, S) up to its position (N,).
+  at::Tensor run_paged(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor local_cos, at::Tensor local_sin,
+                       at::Tensor slot_mapping, at::Tensor decode_slots, at::Tensor positions) const {
+    return layers(x, Step{cos, sin, local_cos, local_sin, positions, true, slot_mapping, decode_slots});
+  }
+
+ private:
+  at::Tensor layers(const at::Tensor& x, const Step& step) const {
     at::Tensor h = x, delta;
     for (const Layer& L : layers_) {
-      const at::Tensor& c = L.local ? local_cos : cos;
-      const at::Tensor& s = L.local ? local_sin : sin;
       if (placement_ == kPre) {  // each add done by the norm after it (`DecoderLayer.forward_pre`)
         at::Tensor n;
         if (delta.defined()) {
@@ -243,15 +279,15 @@ class DecodeLayers : public torch::CustomClassHolder {
         } else {
           n = L.input(h);
         }
-        at::Tensor a = L.attend(n, c, s, pos);
+        at::Tensor a = L.attend(n, step);
         std::tie(h, n) = L.post.add(h, L.m != 1.0 ? a * L.m : a);
         at::Tensor f = L.mlp(n);
         delta = L.m != 1.0 ? f * L.m : f;
       } else if (placement_ == kSandwich) {
-        h = h + L.post(L.attend(L.input(h), c, s, pos));
+        h = h + L.post(L.attend(L.input(h), step));
         h = h + L.post_ff(L.mlp(L.pre_ff(h)));
       } else {
-        h = h + L.post(L.attend(h, c, s, pos));
+        h = h + L.post(L.attend(h, step));
         h = h + L.post_ff(L.mlp(h));
       }
     }
@@ -259,7 +295,6 @@ class DecodeLayers : public torch::CustomClassHolder {
     return final_(h);
   }
 
- private:
   int64_t placement_ = kPre;
   Norm final_;
   std::vector<Layer> layers_;
@@ -270,5 +305,6 @@ class DecodeLayers : public torch::CustomClassHolder {
 EMBER_LIBRARY_FRAGMENT(EMBER_CPU_NAMESPACE, m) {
   m.class_<DecodeLayers>("DecodeLayers")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<double>>())
-      .def("run", &DecodeLayers::run);
+      .def("run", &DecodeLayers::run)
+      .def("run_paged", &DecodeLayers::run_paged);
 }
