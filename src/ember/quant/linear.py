@@ -873,30 +873,24 @@ class Int8BlockLinear(QuantLinear):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self._kernel == "cpu_f32":
-            ops, rows = torch.ops.ember_cpu, float32_rows(x2)
-            if self._high is not None:
-                op = ops.int5_gemv_f32 if self._bits == 5 else ops.int6_gemv_f32
-                y = op(
-                    rows, self._tiles, self._high, self._tile_scales, self.block, self._tile_mins,
-                    self._scale_units, self._min_units,
-                )  # fmt: skip
-            else:
-                y = ops.int8_gemv_f32(
-                    rows, self._tiles, self._tile_scales, self.block, self._tile_mins,
-                    self._scale_units, self._min_units,
-                )  # fmt: skip
+            op, operands = self._cpu_call()
+            y = getattr(torch.ops.ember_cpu, op)(float32_rows(x2), *operands)
             y = y if y.dtype == x.dtype else y.to(x.dtype)
         else:
             y = F.linear(x2, self.dequantize().to(x.dtype))
         return self._add_bias(y.reshape(*shape[:-1], self.out_features))
 
+    def _cpu_call(self) -> tuple[str, tuple]:
+        """The "cpu_f32" kernel (5, 6 or 8 bits a weight) and its operands after the rows."""
+        factors = (self._tile_scales, self.block, self._tile_mins, self._scale_units, self._min_units)
+        if self._high is None:
+            return "int8_gemv_f32", (self._tiles, *factors)
+        return f"int{self._bits}_gemv_f32", (self._tiles, self._high, *factors)
+
     def row_kernel(self) -> RowKernel | None:
         if self._kernel != "cpu_f32" or self.dtype != torch.float32:
             return None
-        factors = (self._tile_scales, self.block, self._tile_mins, self._scale_units, self._min_units)
-        if self._high is None:
-            return self._row("int8_gemv_f32", self._tiles, *factors)
-        return self._row(f"int{self._bits}_gemv_f32", self._tiles, self._high, *factors)
+        return RowKernel((self._cpu_call(),), self.bias)
 
 
 class JoinedLinear(QuantLinear):
