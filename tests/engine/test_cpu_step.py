@@ -1,6 +1,6 @@
 """The eager CPU decode step as a flat run of kernel calls (`ember.engine.cpu_step`) against the module path: the
-same logits bit for bit at every decode step, one C++ call for the layers (`DecodeLayers`) and its Python twin,
-for every family's layer form (pre-, sandwich and post-norm, q/k norms, biases, multipliers, local rope) and
+same logits bit for bit at every decode step, the layers one C++ call (`DecodeLayers`), for every family's
+layer form (pre-, sandwich and post-norm, q/k norms, biases, multipliers, local rope) and
 every kernel a projection runs (float, int4 groups with float or int8 activations, 5/6/8-bit blocks, joined
 parts, int8-dyn); the Generator decodes with it where it runs, and keeps the module path where it does not."""
 
@@ -23,25 +23,27 @@ UNSUPPORTED = {"gemma2", "mixtral-window", "qwen3-moe", "qwen3-moe-normalized-sp
 
 
 @torch.inference_mode()
-def assert_same_steps(model, *, native: bool, steps: int = 6) -> Generator:
-    """Prefill a prompt, then decode greedily: each step's logits from the module path, the C++ step and the
-    Python step, equal. native: whether every projection has a row kernel (the layers one C++ call)."""
+def assert_same_steps(model, *, steps: int = 6) -> Generator:
+    """Prefill a prompt, then decode greedily: each step's logits from the flat step equal the module path's."""
     gen = Generator(model, device=torch.device("cpu"), context=64)
     prompt = torch.randint(3, model.config.vocab_size, (7,)).tolist()
     cache = gen._cache_for(len(prompt) + steps)
-    assert isinstance(gen._decode, EagerCpuStep)  # what the generator decodes with
-    assert (gen._decode.native is not None) == native
-    flat, twin = EagerCpuStep.build(model, cache), EagerCpuStep.build(model, cache, native=False)
-    assert twin.native is None
+    flat = gen._decode
+    assert isinstance(flat, EagerCpuStep)  # what the generator decodes with
     token = gen._run_prefill(prompt, cache).argmax(-1)
     for i in range(steps):
         tokens, pos = token.view(1, 1), torch.tensor([[len(prompt) + i]])
         want = gen._forward(tokens, pos, cache)  # (1, V)
-        for step in (flat, twin):
-            got = step(tokens, pos, cache)
-            assert got.shape == want.shape and torch.equal(got, want), (i, step.native is not None)
+        got = flat(tokens, pos, cache)
+        assert got.shape == want.shape and torch.equal(got, want), i
         token = want.argmax(-1)
     return gen
+
+
+def assert_module_path(model) -> None:
+    gen = Generator(model, device=torch.device("cpu"), context=64)
+    gen._cache_for(16)
+    assert gen._decode == gen._forward
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -55,29 +57,30 @@ def family(request, tmp_path_factory):
 def test_every_family_decodes_the_module_paths_logits(family):
     case, model = family
     if case in UNSUPPORTED:
-        gen = Generator(model, device=torch.device("cpu"), context=64)
-        gen._cache_for(16)
-        assert gen._decode == gen._forward  # the module path, which runs them
+        assert_module_path(model)  # which runs them
         return
-    assert_same_steps(model, native=True)
+    assert_same_steps(model)
 
 
 @pytest.mark.parametrize("scheme", ["int4-g32", "int8-dyn", "int8"])
 @pytest.mark.parametrize("case", ["qwen2-bias-tied-window", "granite", "gemma3-linear-rope"])
 def test_quantized_projections_decode_the_module_paths_logits(tmp_path, case, scheme):
     # int4 groups (int8 activations: `int4_gemv`) and int8-dyn (`int8_gemv`) have row kernels; int8
-    # weight-only has none: the Python step calls the module
+    # weight-only has none: the module path
     torch.manual_seed(0)
     _reference(case).save_pretrained(tmp_path)
     model = quantize_model(load_hf_dir(tmp_path), scheme)
-    assert_same_steps(model, native=scheme != "int8")
+    if scheme == "int8":
+        assert_module_path(model)
+    else:
+        assert_same_steps(model)
 
 
 def test_a_bfloat16_model_decodes_the_module_paths_logits(tmp_path):
     torch.manual_seed(0)
     _reference("qwen3-head_dim-yarn").save_pretrained(tmp_path)
     model = load_hf_dir(tmp_path).to(torch.bfloat16)
-    assert_same_steps(model, native=True)
+    assert_same_steps(model)
 
 
 def test_a_gguf_files_kept_codes_decode_the_module_paths_logits(tmp_path):
@@ -103,14 +106,14 @@ def test_a_gguf_files_kept_codes_decode_the_module_paths_logits(tmp_path):
     }
     assert kernels == {"int4_gemv_f32", "int5_gemv_f32", "int6_gemv_f32", "int8_gemv_f32"}
     assert any(len(layer.self_attn.qkv_proj.row_kernel().calls) > 1 for layer in model.model.layers)  # joined
-    assert_same_steps(model, native=True)
+    assert_same_steps(model)
 
 
 def test_the_default_model_decodes_the_module_paths_tokens(smollm2_gguf):
     from ember.loading.checkpoint import load
 
     model = load(smollm2_gguf, device="cpu", progress=False).model
-    gen = assert_same_steps(model, native=True, steps=3)
+    gen = assert_same_steps(model, steps=3)
     # and greedy generation through the Generator (the flat step) gives the module path's tokens
     from ember.engine.sampler import SamplingParams
 
@@ -121,7 +124,7 @@ def test_the_default_model_decodes_the_module_paths_tokens(smollm2_gguf):
     assert [s.token_id for s in gen.generate(prompt, params, (), None)] == flat
 
 
-def test_a_compiled_or_cuda_generator_keeps_its_own_step(monkeypatch):
+def test_a_compiled_generator_keeps_its_own_step(monkeypatch):
     from tests.conftest import tiny_random_model
 
     monkeypatch.setenv("EMBER_AOTI", "0")
@@ -153,8 +156,7 @@ def test_a_paged_batch_of_decode_rows_gives_the_module_paths_rows(tmp_path, case
     cache = PagedKVCache(cfg, num_blocks=48, block_size=block, device="cpu", dtype=torch.float32)
     loaded = SimpleNamespace(model=model, dtype=torch.float32, device=torch.device("cpu"), config=cfg)
     runner = ModelRunner(loaded, cache)
-    assert runner.flat is not None and runner.flat.native is not None
-    twin = EagerCpuStep.build(model, cache, native=False)
+    assert runner.flat is not None
     params = SamplingParams(max_tokens=8, temperature=0)
     reqs = []
     for i, n in enumerate((11, 3, 17)):  # past the sliding windows and Phi-3's original context
@@ -169,8 +171,7 @@ def test_a_paged_batch_of_decode_rows_gives_the_module_paths_rows(tmp_path, case
         tokens, batch, _ = runner._batch(SchedulerOutput([ScheduledRequest(r, 1) for r in reqs]))
         cache.set_batch(batch)
         want = model(tokens, batch.positions, cache)[0]  # (N, E)
-        for step in (runner.flat, twin):
-            assert torch.equal(step.paged(tokens, batch, cache), want), step.native is not None
+        assert torch.equal(runner.flat.paged(tokens, batch, cache), want)
         for r, t in zip(reqs, model.compute_logits(want).argmax(-1).tolist(), strict=True):
             r.num_computed += 1
             r.output_ids.append(t)

@@ -7,13 +7,14 @@ and a projection's `forward` choosing its kernel on every call: SmolLM2-135M's 3
 becomes its kernel calls with their operands (`QuantLinear.row_kernel`; a float `Linear` is `F.linear`), and
 the layers one C++ call (`DecodeLayers`, `ops/csrc/cpu_step.cpp`) that runs them through the dispatcher in the
 module path's order: the same ops on the same operands, so the same values bit for bit
-(tests/engine/test_cpu_step.py). Where some projection has no row kernel (int8 weight-only, a bf16 int4) the
-same calls run from Python, that module called as it is. `EMBER_CPU_STEP=0` keeps the module path.
+(tests/engine/test_cpu_step.py).
 
 It runs decode rows, one token each: one row of a `StaticKVCache` (the Generator's `_forward`), or a
 `PagedKVCache`'s batch of them (`ModelRunner.execute`, batches without a prefill, up to `core.FLAT_ROWS`
 rows), where attention is Ember's C++ kernel, for decoders whose layers are all a gated MLP and attention
-without a logit softcap; `build` answers None for anything else, and the module path runs.
+without a logit softcap and whose projections all have a row kernel (not int8 weight-only, nor int4 in
+bf16); `build` answers None for anything else, and the module path runs. `EMBER_CPU_STEP=0` keeps the module
+path always.
 
 Shape legend: N rows, E hidden size, H query heads, K kv heads, D head dim, V vocab.
 """
@@ -21,8 +22,6 @@ Shape legend: N rows, E hidden size, H query heads, K kv heads, D head dim, V vo
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -30,14 +29,13 @@ from torch import nn
 
 from ember.engine.kv_cache import StaticKVCache
 from ember.engine.paged_cache import PagedBatch, PagedKVCache
-from ember.models.decoder import ACTIVATIONS, MLP, Decoder, DecoderLayer
+from ember.models.decoder import ACTIVATIONS, MLP, Decoder
 from ember.ops import cpu_ext
 from ember.ops.linear import Linear
 from ember.ops.norm import RMSNorm
 from ember.quant.linear import QuantLinear, RowKernel
 
 ENV = "EMBER_CPU_STEP"  # "0": the module path (for A/B runs)
-RowFn = Callable[[torch.Tensor], torch.Tensor]
 # The program's kernel names, in the order of `cpu_step.cpp`'s `Kernel`.
 KERNELS = (
     "linear",
@@ -54,44 +52,12 @@ QK_NORMS = (None, "head", "full")
 
 
 def row_kernel(module: nn.Module) -> RowKernel | None:
-    """module's forward of one row as kernel calls, or None (the module is called as it is)."""
+    """module's forward of one row as kernel calls, or None where it has none."""
     if isinstance(module, QuantLinear):
         return module.row_kernel()
     if type(module) in (nn.Linear, Linear):  # Linear's CUDA GEMV aside, F.linear
         return RowKernel((("linear", (module.weight, module.bias)),))
     return None
-
-
-def bind(kernel: RowKernel) -> RowFn:
-    """The kernel calls as one function of the row."""
-
-    def one(op: str, operands: tuple) -> RowFn:
-        if op == "linear":
-            return lambda x: F.linear(x, *operands)
-        fn = getattr(torch.ops.ember_cpu, op).default
-        return lambda x: fn(x, *operands)
-
-    calls = [one(op, operands) for op, operands in kernel.calls]
-    joined = calls[0] if len(calls) == 1 else lambda x: torch.cat([c(x) for c in calls], dim=-1)
-    bias = kernel.bias
-    return joined if bias is None else lambda x: joined(x) + bias
-
-
-def row_call(module: nn.Module) -> RowFn:
-    """module's forward of one row (1, K) -> (1, N) as the leanest call that gives its values."""
-    kernel = row_kernel(module)
-    return module if kernel is None else bind(kernel)
-
-
-def norm_call(norm: RMSNorm) -> RowFn:
-    op, weight, eps, offset = torch.ops.ember_cpu.rms_norm.default, norm.weight, norm.eps, norm.offset
-    return lambda x: op(x, weight, eps, offset)
-
-
-def add_norm_call(norm: RMSNorm) -> Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-    """(x, delta) -> (x + delta, norm(x + delta)): one kernel."""
-    op, weight, eps, offset = torch.ops.ember_cpu.add_rms_norm.default, norm.weight, norm.eps, norm.offset
-    return lambda x, delta: op(x, delta, weight, eps, offset)
 
 
 class _Program:
@@ -169,96 +135,19 @@ class _Program:
         return p
 
 
-@dataclass
-class _Step:
-    """What a step's layers share (`cpu_step.cpp`'s `Step`): the rows' rope tables (local ones for sliding-window
-    layers) and where keys and values go: a static cache's positions, or a paged cache's slots."""
-
-    tables: dict[bool, tuple[torch.Tensor, torch.Tensor]]  # uses local rope -> (cos, sin), (N, D/2) each
-    positions: torch.Tensor  # (N,)
-    slot_mapping: torch.Tensor | None = None  # paged: (N,) slots this step writes
-    decode_slots: torch.Tensor | None = None  # paged: (N, S) the slots each row reads
-
-
-class _Layer:
-    """One layer's calls, bound: the Python twin of `DecodeLayers`, for models with a projection that has no
-    row kernel."""
-
-    def __init__(self, layer: DecoderLayer, index: int, cache: StaticKVCache | PagedKVCache) -> None:
-        attn, mlp = layer.self_attn, layer.mlp
-        self.H, self.K, self.D = attn.H, attn.K, attn.D
-        self.qkv, self.o = row_call(attn.qkv_proj), row_call(attn.o_proj)
-        self.gate_up, self.down, self.act = row_call(mlp.gate_up_proj), row_call(mlp.down_proj), mlp.act
-        self.qk_norm = attn.qk_norm
-        if attn.qk_norm is not None:
-            self.q_norm, self.k_norm = norm_call(attn.q_norm), norm_call(attn.k_norm)
-        self.k_cache, self.v_cache = cache.k[index], cache.v[index]
-        self.scale, self.window = attn.scale, attn.window or 0
-        self.local = layer.uses_local_rope
-        self.m = layer.residual_multiplier
-        if layer.placement == "pre":
-            self.add_input_norm = add_norm_call(layer.input_layernorm)
-            self.add_post_norm = add_norm_call(layer.post_attention_layernorm)
-        if layer.placement in ("pre", "sandwich"):
-            self.input_norm = norm_call(layer.input_layernorm)
-        self.post_norm = norm_call(layer.post_attention_layernorm)
-        if layer.placement == "sandwich":
-            self.pre_ff_norm = norm_call(layer.pre_feedforward_layernorm)
-        if layer.placement in ("sandwich", "post"):
-            self.post_ff_norm = norm_call(layer.post_feedforward_layernorm)
-
-    def attend(self, n: torch.Tensor, step: _Step) -> torch.Tensor:
-        """Attention of the normed rows n (N, E), this step's k, v cached, through the output projection."""
-        N, H, K, D = n.shape[0], self.H, self.K, self.D
-        cos, sin = step.tables[self.local]
-        q, k, v = self.qkv(n).split_with_sizes([H * D, K * D, K * D], dim=-1)
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = q.view(N, H, D), k.view(N, K, D), v.view(N, K, D)  # (N, H, D), (N, K, D), (N, K, D)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        ops = torch.ops.ember_cpu
-        if step.slot_mapping is not None:
-            q = ops.rope_write.default(q, k, v, cos, sin, self.k_cache, self.v_cache, step.slot_mapping)
-            out = ops.paged_decode_attention.default(
-                q, self.k_cache, self.v_cache, step.decode_slots, step.positions, self.scale, self.window
-            )  # (N, H, D)
-        else:
-            out = ops.rope_decode_attention.default(
-                q, k, v, cos, sin, self.k_cache, self.v_cache, step.positions, self.scale, self.window
-            )  # (N, H, D)
-        return self.o(out.view(N, H * D))
-
-    def mlp(self, n: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(n).chunk(2, dim=-1)
-        return self.down(self.act(gate) * up)
-
-
 class EagerCpuStep:
     """The eager step's layers and what surrounds them: `__call__` is `Generator._forward` for one decode row of a
     static cache; `paged` the model runner's forward for a paged cache's batch of decode rows."""
 
-    def __init__(self, model: Decoder, cache: StaticKVCache | PagedKVCache, native: bool = True) -> None:
-        """native: the layers as one C++ call (`DecodeLayers`) where every projection has a row kernel; else (or
-        False) as Python calls of the same ops."""
+    def __init__(self, model: Decoder, program: _Program) -> None:
         self.model = model
-        self.placement = model.config.norm_placement
-        program = _Program.of(model, cache) if native else None
-        self.native = None
-        if program is not None:
-            classes = getattr(torch.classes, cpu_ext.NAMESPACE)
-            self.native = classes.DecodeLayers(program.tensors, program.ints, program.reals)
-            return
-        self.layers = [_Layer(layer, i, cache) for i, layer in enumerate(model.model.layers)]
-        self.final_norm = norm_call(model.model.norm)
-        self.add_final_norm = add_norm_call(model.model.norm)
+        classes = getattr(torch.classes, cpu_ext.NAMESPACE)
+        self.layers = classes.DecodeLayers(program.tensors, program.ints, program.reals)
 
     @classmethod
-    def build(
-        cls, model: Decoder, cache: StaticKVCache | PagedKVCache, native: bool = True
-    ) -> EagerCpuStep | None:
+    def build(cls, model: Decoder, cache: StaticKVCache | PagedKVCache) -> EagerCpuStep | None:
         """The step for this model and cache (a static one of one row, or a paged one), or None where some part
-        of it is not one this step runs."""
+        of it is not one this step runs (the module path runs it)."""
         if os.environ.get(ENV) == "0":
             return None
         cfg = model.config
@@ -276,67 +165,34 @@ class EagerCpuStep:
             )
             and cpu_ext.available()
         )
-        return cls(model, cache, native) if fits else None
+        program = _Program.of(model, cache) if fits else None
+        return None if program is None else cls(model, program)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """tokens, positions (1, 1) -> float32 logits (1, V)."""
-        h = self._forward(tokens, positions, None, positions[:, 0], None, None)
+        x, tables = self._inputs(tokens, positions, None)
+        h = self.layers.run(x, *tables, positions[:, 0])  # (1, E)
         return self.model.compute_logits(h)  # (1, V)
 
     def paged(self, tokens: torch.Tensor, batch: PagedBatch, cache: PagedKVCache) -> torch.Tensor:
         """A paged batch of decode rows only (one token each; `batch.prefills` empty): tokens (1, N) -> the final
         norm's rows (N, E), as the model's forward gives them (`Decoder.forward`; `ModelRunner.execute`)."""
-        cache.begin(
-            batch.positions
-        )  # each row's slots (`_decode_slots`), as the module path's attention reads
-        positions = batch.decode_lens - 1  # (N,)
-        return self._forward(tokens, batch.positions, batch.lengths, positions, batch.slot_mapping, cache)
+        x, tables = self._inputs(tokens, batch.positions, batch.lengths)
+        slots = cache._slots(batch.decode_tables)  # (N, S): what `PagedKVCache.begin` gives its attention
+        return self.layers.run_paged(x, *tables, batch.slot_mapping, slots, batch.decode_lens - 1)
 
-    def _forward(self, tokens, positions, lengths, rows_positions, slot_mapping, paged) -> torch.Tensor:
+    def _inputs(
+        self, tokens: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor | None
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """The rows' embeddings (N, E) and rope tables (cos, sin, local cos, local sin: (N, D/2) each), as
+        `Decoder.forward` makes them."""
         model, cfg = self.model, self.model.config
         x = model.model.embed_tokens(tokens)[0]  # (N, E)
         if cfg.embedding_multiplier != 1.0:
             # Gemma rounds sqrt(E) to the activation dtype before scaling (as `Decoder.forward`)
             x = x * torch.tensor(cfg.embedding_multiplier, dtype=x.dtype)
         cos, sin = model.rope(positions, lengths)
-        tables = {False: (cos[0], sin[0])}  # (N, D/2) each
-        if model.local_rope is not None:
-            local_cos, local_sin = model.local_rope(positions, lengths)
-            tables[True] = (local_cos[0], local_sin[0])
-        else:
-            tables[True] = tables[False]
-        decode_slots = None if paged is None else paged._decode_slots
-        if self.native is not None:
-            if paged is None:
-                return self.native.run(x, *tables[False], *tables[True], rows_positions)
-            return self.native.run_paged(
-                x, *tables[False], *tables[True], slot_mapping, decode_slots, rows_positions
-            )
-        step = _Step(tables, rows_positions, slot_mapping, decode_slots)
-        if self.placement == "pre":
-            return self._pre(x, step)
-        h = x
-        for layer in self.layers:
-            if self.placement == "sandwich":
-                h = h + layer.post_norm(layer.attend(layer.input_norm(h), step))
-                h = h + layer.post_ff_norm(layer.mlp(layer.pre_ff_norm(h)))
-            else:  # post
-                h = h + layer.post_norm(layer.attend(h, step))
-                h = h + layer.post_ff_norm(layer.mlp(h))
-        return self.final_norm(h)
-
-    def _pre(self, x: torch.Tensor, step: _Step) -> torch.Tensor:
-        """Pre-norm layers, each add done by the norm after it (as `DecoderLayer.forward_pre`) -> the final norm's
-        rows."""
-        h, delta = x, None
-        for layer in self.layers:
-            if delta is None:
-                n = layer.input_norm(h)
-            else:
-                h, n = layer.add_input_norm(h, delta)
-            a = layer.attend(n, step)
-            m = layer.m
-            h, n = layer.add_post_norm(h, a * m if m != 1.0 else a)
-            f = layer.mlp(n)
-            delta = f * m if m != 1.0 else f
-        return self.add_final_norm(h, delta)[1]
+        local_cos, local_sin = (
+            model.local_rope(positions, lengths) if model.local_rope is not None else (cos, sin)
+        )
+        return x, (cos[0], sin[0], local_cos[0], local_sin[0])
