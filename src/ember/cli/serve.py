@@ -79,12 +79,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from ember.engine.async_engine import ModelThread
     from ember.engine.core import EngineConfig
     from ember.serve import ServerLimits, create_app
     from ember.serve.app import begin_drain
 
     name = model_name(args)
-    llm = load_llm(args)  # every model option, as the other subcommands read them
+    # Loaded on the thread that will run the engine's steps (on a CPU, a step on another thread runs much slower:
+    # ember.engine.async_engine.ModelThread); every model option, as the other subcommands read them.
+    thread = ModelThread()
+    llm = thread.call(load_llm, args)
     # The batching engine is created on first use (by create_app), so its settings can still be set here.
     llm.engine_config = EngineConfig(
         max_num_seqs=args.max_num_seqs,
@@ -98,7 +102,9 @@ def run(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         drain_timeout=args.drain_timeout,
     )
-    app = create_app(llm, model_name=args.served_model_name or name, api_key=args.api_key, limits=limits)
+    app = create_app(
+        llm, model_name=args.served_model_name or name, api_key=args.api_key, limits=limits, thread=thread
+    )
     if args.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("serving on %s without an API key: anyone who can reach it can use it", args.host)
 

@@ -5,16 +5,22 @@ that the thread feeds through `loop.call_soon_threadsafe`. Leaving the `generate
 that disconnects, a cancelled task — aborts the request at once, which frees its KV blocks.
 
 Threading rule: only the engine thread touches the model, the cache and the scheduler; other threads talk to
-it through `EngineCore.add_request` / `abort`, which only enqueue.
+it through `EngineCore.add_request` / `abort`, which only enqueue. That thread is a `ModelThread`, which can
+also load the model first (`ember serve` does): on a CPU, a model loaded in one thread and stepped in another
+runs its steps much slower (see `ModelThread`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
+from typing import Any
 
 from ember.engine.core import EngineCore, EngineStats, RequestUpdate
 from ember.engine.sampler import SamplingParams
@@ -31,6 +37,44 @@ class EngineStoppedError(EmberError):
     """The engine is shutting down and takes no new requests."""
 
 
+class ModelThread:
+    """One thread for a model's torch work, jobs run in order: loading it (`call`), then the engine's loop.
+
+    OpenMP runtimes (libgomp, PyTorch's CPU builds) keep a team of worker threads for every thread that opens a
+    parallel region, and once a process holds more of those threads than it has CPUs, waiting workers stop
+    spinning and sleep in the kernel at every barrier (libgomp's throttled spin). A CPU decode step runs a few
+    hundred parallel regions, so loading a model in the main thread and stepping it in another made each step
+    ~2.5x slower on 2 cores (SmolLM2: 5.3 against 13-15 ms; BENCHMARKS.md, forty-second session). A daemon:
+    a process that exits does not wait for it."""
+
+    def __init__(self, name: str = "ember-engine") -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            fn, future = self._jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn()
+            except BaseException as e:  # handed to the caller, whatever it is (KeyboardInterrupt included)
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """Queues fn(*args, **kwargs) to run on the thread after the jobs before it; its result's Future."""
+        future: Future = Future()
+        self._jobs.put((lambda: fn(*args, **kwargs), future))
+        return future
+
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """fn(*args, **kwargs) run on the thread, waited for: its result, or its exception raised here."""
+        return self.submit(fn, *args, **kwargs).result()
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue
@@ -38,7 +82,11 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, *, max_waiting: int = 256) -> None:
+    """`core` stepped in a loop on `thread` (a new ModelThread unless given: pass the one that loaded the model)."""
+
+    def __init__(
+        self, core: EngineCore, *, max_waiting: int = 256, thread: ModelThread | None = None
+    ) -> None:
         self.core = core
         self.max_waiting = max_waiting
         self._streams: dict[str, _Stream] = {}
@@ -46,8 +94,7 @@ class AsyncEngine:
         self._accepting = True
         self._stop = threading.Event()
         self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ember-engine", daemon=True)
-        self._thread.start()
+        self._running = (thread or ModelThread()).submit(self._run)
 
     # -- engine thread -----------------------------------------------------------------------------------
 
@@ -132,4 +179,4 @@ class AsyncEngine:
             self._deliver(update)
         self._stop.set()
         self._wake.set()
-        await asyncio.to_thread(self._thread.join, 5.0)
+        await asyncio.to_thread(wait_futures, [self._running], 5.0)

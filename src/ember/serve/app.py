@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ember.engine.async_engine import AsyncEngine
+from ember.engine.async_engine import AsyncEngine, ModelThread
 from ember.engine.core import EngineCore
 from ember.llm import LLM
 from ember.serve.errors import APIError
@@ -104,14 +104,17 @@ def create_app(
     api_key: str | None = None,
     limits: ServerLimits | None = None,
     static_dir: Path | None = STATIC_DIR,
+    thread: ModelThread | None = None,
 ) -> FastAPI:
-    """The app serving `llm` under `model_name` (default: the loaded model's name)."""
+    """The app serving `llm` under `model_name` (default: the loaded model's name). `thread`: the ModelThread
+    that loaded the model, to run the engine on (on a CPU, steps run much slower on another thread)."""
     limits = limits or ServerLimits()
     if isinstance(llm, AsyncEngine):
         engine = llm
     else:
-        core = llm.engine() if isinstance(llm, LLM) else llm
-        engine = AsyncEngine(core, max_waiting=limits.max_waiting)
+        thread = thread or ModelThread()
+        core = thread.call(llm.engine) if isinstance(llm, LLM) else llm
+        engine = AsyncEngine(core, max_waiting=limits.max_waiting, thread=thread)
     loaded = engine.core.loaded
     metrics = ServerMetrics(engine.stats)
     state = ServingState(
