@@ -44,8 +44,9 @@ class ModelThread:
     parallel region, and once a process holds more of those threads than it has CPUs, waiting workers stop
     spinning and sleep in the kernel at every barrier (libgomp's throttled spin). A CPU decode step runs a few
     hundred parallel regions, so loading a model in the main thread and stepping it in another made each step
-    ~2.5x slower on 2 cores (SmolLM2: 5.3 against 13-15 ms; BENCHMARKS.md, forty-second session). A daemon:
-    a process that exits does not wait for it."""
+    ~2.5x slower on 2 cores (SmolLM2: ~5.3 against 12.6-15.6 ms; BENCHMARKS.md, forty-second session). A
+    daemon thread, not a one-worker ThreadPoolExecutor: that worker is joined at interpreter exit, which the
+    engine's loop (its last job, run until `AsyncEngine.shutdown`) would hang where a server never started."""
 
     def __init__(self, name: str = "ember-engine") -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
