@@ -116,6 +116,46 @@ def test_int8_gemv_f32_is_the_float_linear_on_the_blocks_weights(ops, rows, bloc
         ops.int8_gemv_f32(x, tiles, tiled, block, tiled[:, :-1].contiguous())
 
 
+@pytest.mark.parametrize("form", ["float32", "float16", "coded"])
+@pytest.mark.parametrize("with_mins", [False, True], ids=["scales", "mins"])
+@pytest.mark.parametrize("block", [16, 32])
+def test_int8_tile_rows_are_the_rows_of_the_dequantized_weight(ops, block, with_mins, form):
+    """A tied embedding's lookup in Q8_0 codes (`Int8BlockLinear.weight_rows`): rows of int8 tiles dequantized,
+    float32(q) * scale then + min, each rounded in float32, bit for bit, with float32, float16 or coded factors
+    (int8 codes of a float16 unit a run of 256 k); any shape of ids, repeats, the first and last rows."""
+    torch.manual_seed(block + with_mins)
+    N, K = 48, 512
+    codes = torch.randint(-128, 128, (N, K), dtype=torch.int8)
+
+    def factors(sign: float) -> torch.Tensor:
+        if form == "coded":  # a K type's: a float16 unit a run of 256 k times small integers
+            unit = (torch.rand(N, K // 256) * 1e-3).half().float()
+            return sign * unit.repeat_interleave(256 // block, dim=1) * torch.randint(1, 64, (N, K // block))
+        f = torch.rand(N, K // block) * 0.01 * sign
+        return f.half().float() if form == "float16" else f * (1 + torch.rand_like(f) * 1e-3)
+
+    scales, mins = factors(1.0), factors(-1.0) if with_mins else None
+    want = codes.float().reshape(N, -1, block) * scales[..., None]
+    want = (want if mins is None else want + mins[..., None]).reshape(N, K)
+    tiles = cpu_ext.int8_tiles(codes)
+    compact = cpu_ext.compact_factors(
+        [cpu_ext.int8_block_scales(scales), None if mins is None else cpu_ext.int8_block_scales(mins)], K
+    )
+    (tiled, units), (tiled_mins, min_units) = compact[0], compact[1] or (None, None)
+    assert (units is not None) == (form == "coded") and tiled.dtype == {
+        "float32": torch.float32, "float16": torch.float16, "coded": torch.int8
+    }[form]  # fmt: skip
+    ids = torch.tensor([[0, 47, 16], [15, 16, 0]])
+    got = ops.int8_tile_rows(tiles, ids, block, tiled, tiled_mins, units, min_units)
+    assert torch.equal(got, want[ids.reshape(-1)])
+    every = ops.int8_tile_rows(tiles, torch.arange(N), block, tiled, tiled_mins, units, min_units)
+    assert torch.equal(every, want)
+    with pytest.raises(RuntimeError, match=r"row 48 is outside \[0, 48\)"):
+        ops.int8_tile_rows(tiles, torch.tensor([3, 48]), block, tiled, tiled_mins, units, min_units)
+    with pytest.raises(RuntimeError, match=r"scales .* do not match"):  # the other block size's factors
+        ops.int8_tile_rows(tiles, ids, 48 - block, tiled, tiled_mins, units, min_units)
+
+
 @pytest.mark.parametrize("with_mins", [False, True], ids=["scales", "mins"])
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("rows", [1, 2, 3, 9])

@@ -23,6 +23,8 @@
   for a paged cache's tokens;
 - `rms_norm` and `add_rms_norm` (`csrc/cpu_norm.cpp`): `ember.ops.norm`'s RMSNorm (and the residual add before
   it) in one call, for eager steps, where its ~10 aten ops a norm were a tenth of a small model's step.
+- `int8_tile_rows` (`csrc/cpu_rows.cpp`): rows of int8 tiles dequantized (`untile_int8` and the factors for
+  just those rows, the same values): a tied embedding looked up in its output projection's Q8_0 codes.
 
 The sources are compiled with the host's compiler (`$CXX`, else g++) for the host's instruction set
 (-march=native), against the installed torch; registered in C++, an op costs what an aten op does, inside a
@@ -60,7 +62,7 @@ from ember.paths import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "cpu_gemv.cpp", CSRC / "cpu_attention.cpp", CSRC / "cpu_norm.cpp", CSRC / "cpu_step.cpp")
+SOURCES = tuple(CSRC / f"cpu_{name}.cpp" for name in ("gemv", "attention", "norm", "step", "rows"))
 NAMESPACE = "ember_cpu"
 TILE = 16  # output rows of a tile: N must be a multiple
 BLOCK = 32  # k of an activation block (int4) and of a tile's run of bytes: K must be a multiple
@@ -182,6 +184,7 @@ def load(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> str:
                 ("rope_write", _rope_write_fake),
                 ("rms_norm", _norm_fake),
                 ("add_rms_norm", _add_norm_fake),
+                ("int8_tile_rows", _tile_rows_fake),
             )
             for name, fake in fakes:
                 torch.library.register_fake(f"{namespace}::{name}")(fake)
@@ -256,6 +259,10 @@ def _int5_fake(x, packed, high, scales, block, mins=None, scale_units=None, min_
 
 
 _int6_fake = _int5_fake
+
+
+def _tile_rows_fake(packed, ids, block, scales, mins=None, scale_units=None, min_units=None):
+    return packed.new_empty(ids.numel(), packed.shape[1] // 512 * BLOCK, dtype=torch.float32)
 
 
 def _attention_fake(q, *args):

@@ -775,7 +775,13 @@ class Int8BlockLinear(QuantLinear):
 
     def weight_rows(self, ids: torch.Tensor | None) -> torch.Tensor:
         """Rows `ids` (1-D; None: all) of the float weight these codes stand for, in float32; from the kernel's
-        tiles where prepare() released the canonical codes (each row's whole tile untiled)."""
+        tiles where prepare() released the canonical codes (8-bit ones in C++, the same values; 5- and 6-bit ones
+        with each row's whole tile untiled)."""
+        if self.qweight is None and ids is not None and self._high is None:
+            units = (self._scale_units, self._min_units)
+            return torch.ops.ember_cpu.int8_tile_rows(
+                self._tiles, ids, self.block, self._tile_scales, self._tile_mins, *units
+            )
         if self.qweight is None:
             held = (
                 self._tiles,

@@ -1,0 +1,114 @@
+// Rows of an int8-tiled weight, dequantized: a tied embedding looked up in its output projection's kept codes
+// (`ember.quant.linear.CodesEmbedding`, a GGUF file's Q8_0 token table). In Python the lookup untiled the row's
+// whole tile (16 rows) in ~10 aten ops, 150-180 us a token on 2 cores (SmolLM2, Gemma 3 270M): ~3% of an eager
+// decode step. The values are `Int8BlockLinear.weight_rows`' exactly: float32(q) * scale, then + min, each
+// rounded in float32 (no fused multiply-add), the factors float32, float16 or an int8 code times its run's
+// float16 unit (`cpu_ext.compact_factors`), as `cpu_ext.uncoded` multiplies them.
+//
+// Layouts (`cpu_ext.int8_tiles`, `int8_block_scales`): codes (N/16, K/32 * 512) uint8, q + 128, block b of 32 k
+// of a tile at 512 b, its run r of 4 k at + 64 r, row i of the tile at + 4 i; factors (N/16, K/block, 16),
+// units (N/16, K/256, 16).
+//
+// Shape legend: n rows asked for, N output features (rows of the weight), K input features.
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "library.h"
+
+namespace {
+
+constexpr int64_t kTile = 16, kBlock = 32;
+
+// One form of a tile's factors (scales, or mins): float32, float16, or int8 codes of float16 units.
+struct Factors {
+  const float* f32 = nullptr;
+  const at::Half* f16 = nullptr;
+  const int8_t* q = nullptr;
+  const at::Half* unit = nullptr;
+  int64_t blocks = 0, per = 1;  // blocks of a tile, blocks of a unit's run of 256 k
+
+  bool given() const { return f32 != nullptr || f16 != nullptr || q != nullptr; }
+
+  // Row i of tile t, block c.
+  float at(int64_t t, int64_t c, int64_t i) const {
+    const int64_t j = (t * blocks + c) * kTile + i;
+    if (f32 != nullptr) return f32[j];
+    if (f16 != nullptr) return static_cast<float>(f16[j]);
+    return static_cast<float>(q[j]) * static_cast<float>(unit[(t * (blocks / per) + c / per) * kTile + i]);
+  }
+};
+
+Factors factors(const at::Tensor& f, const std::optional<at::Tensor>& units, int64_t tiles, int64_t blocks, int64_t K,
+                const char* name) {
+  TORCH_CHECK(f.is_contiguous() && f.numel() == tiles * blocks * kTile, name, " ", f.sizes(), " do not match ", tiles,
+              " tiles of ", blocks, " blocks");
+  Factors out;
+  out.blocks = blocks;
+  if (units.has_value()) {
+    TORCH_CHECK(f.scalar_type() == at::kChar && units->scalar_type() == at::kHalf && units->is_contiguous() &&
+                    K % 256 == 0 && blocks % (K / 256) == 0 && units->numel() == tiles * (K / 256) * kTile,
+                name, ": int8 codes ", f.sizes(), " with float16 units ", units->sizes(), " expected for K = ", K);
+    out.q = f.data_ptr<int8_t>();
+    out.unit = units->data_ptr<at::Half>();
+    out.per = blocks / (K / 256);
+  } else if (f.scalar_type() == at::kFloat) {
+    out.f32 = f.data_ptr<float>();
+  } else {
+    TORCH_CHECK(f.scalar_type() == at::kHalf, name, ": float32 or float16 expected, got ", f.scalar_type());
+    out.f16 = f.data_ptr<at::Half>();
+  }
+  return out;
+}
+
+// Row `row` of the weight into out (K floats).
+__attribute__((optimize("fp-contract=off"))) void dequantize_row(const uint8_t* packed, const Factors& scales,
+                                                                 const Factors& mins, int64_t row, int64_t K,
+                                                                 int64_t block, float* out) {
+  const int64_t t = row / kTile, i = row % kTile;
+  const uint8_t* tile = packed + t * (K / kBlock) * 512 + 4 * i;
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t c = k / block;
+    const float q = static_cast<float>(static_cast<int>(tile[(k / kBlock) * 512 + ((k % kBlock) / 4) * 64 + k % 4]) - 128);
+    const float w = q * scales.at(t, c, i);
+    out[k] = mins.given() ? w + mins.at(t, c, i) : w;
+  }
+}
+
+// rows (n, K) float32 of the weight whose codes are `packed` (N/16 tiles) and factors `scales` (and `mins`) of
+// blocks of `block` k, for the row indices `ids` (int64, any shape, n of them, each in [0, N)).
+at::Tensor int8_tile_rows(const at::Tensor& packed, const at::Tensor& ids, int64_t block, const at::Tensor& scales,
+                          const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& scale_units,
+                          const std::optional<at::Tensor>& min_units) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous() &&
+                  packed.size(1) % 512 == 0,
+              "packed ", packed.sizes(), ": int8 tiles (N/16, K/32 * 512) uint8 expected");
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "ids: int64 expected, got ", ids.scalar_type());
+  const int64_t tiles = packed.size(0), N = tiles * kTile, K = packed.size(1) / 512 * kBlock;
+  TORCH_CHECK(block > 0 && K % block == 0, "block ", block, " does not divide K = ", K);
+  const Factors s = factors(scales, scale_units, tiles, K / block, K, "scales");
+  const Factors m = mins.has_value() ? factors(*mins, min_units, tiles, K / block, K, "mins") : Factors{};
+  const at::Tensor flat = ids.contiguous().reshape(-1);
+  const int64_t n = flat.numel();
+  const int64_t* id = flat.data_ptr<int64_t>();
+  auto out = at::empty({n, K}, packed.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const uint8_t* p = packed.data_ptr<uint8_t>();
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(id[r] >= 0 && id[r] < N, "row ", id[r], " is outside [0, ", N, ")");
+    dequantize_row(p, s, m, id[r], K, block, o + r * K);
+  }
+  return out;
+}
+
+}  // namespace
+
+EMBER_LIBRARY_FRAGMENT(EMBER_CPU_NAMESPACE, m) {
+  m.def(
+      "int8_tile_rows(Tensor packed, Tensor ids, int block, Tensor scales, Tensor? mins=None, "
+      "Tensor? scale_units=None, Tensor? min_units=None) -> Tensor");
+}
+
+EMBER_LIBRARY_IMPL(EMBER_CPU_NAMESPACE, CPU, m) { m.impl("int8_tile_rows", &int8_tile_rows); }
