@@ -116,6 +116,32 @@ def test_int8_gemv_f32_is_the_float_linear_on_the_blocks_weights(ops, rows, bloc
         ops.int8_gemv_f32(x, tiles, tiled, block, tiled[:, :-1].contiguous())
 
 
+@pytest.mark.parametrize("V", [1, 15, 16, 17, 1000, 49152])
+def test_argmax_rows_is_torch_argmax(ops, V):
+    """The first index of each row's largest value, a NaN counting as the largest (the first NaN): ties within and
+    across the 16-wide vectors and in the scalar tail, a NaN after a larger finite value, +inf, a row of -inf
+    (index 0), -0.0 beside 0.0, and rows of a wider tensor (a row stride past V)."""
+    torch.manual_seed(V)
+    x = torch.randn(9, V + 3)
+    x[1, [V // 2, V - 1]] = 50.0
+    x[2, [V - 1, V // 3]] = 50.0
+    x[3, V // 2] = 1e30
+    x[3, [V - 1, V // 3]] = float("nan")
+    x[4, V // 2] = float("inf")
+    x[5] = float("-inf")
+    x[6] = 0.0
+    x[6, [V - 1, V // 2]] = -0.0
+    x[7, V - 1] = 60.0
+    x[8] = -1.0
+    x[8, [V // 4, V - 1]] = float("-inf")
+    rows = x[:, :V]
+    want = rows.argmax(dim=-1)
+    assert torch.equal(ops.argmax_rows(rows), want)
+    assert torch.equal(ops.argmax_rows(rows.contiguous()), want)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.argmax_rows(rows.double())
+
+
 @pytest.mark.parametrize("form", ["float32", "float16", "coded"])
 @pytest.mark.parametrize("with_mins", [False, True], ids=["scales", "mins"])
 @pytest.mark.parametrize("block", [16, 32])

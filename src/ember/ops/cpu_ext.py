@@ -24,7 +24,8 @@
 - `rms_norm` and `add_rms_norm` (`csrc/cpu_norm.cpp`): `ember.ops.norm`'s RMSNorm (and the residual add before
   it) in one call, for eager steps, where its ~10 aten ops a norm were a tenth of a small model's step.
 - `int8_tile_rows` (`csrc/cpu_rows.cpp`): rows of int8 tiles dequantized (`untile_int8` and the factors for
-  just those rows, the same values): a tied embedding looked up in its output projection's Q8_0 codes.
+  just those rows, the same values): a tied embedding looked up in its output projection's Q8_0 codes;
+  `argmax_rows`, torch.argmax over each row of float32 logits (`ember.ops.argmax` in eager steps).
 
 The sources are compiled with the host's compiler (`$CXX`, else g++) for the host's instruction set
 (-march=native), against the installed torch; registered in C++, an op costs what an aten op does, inside a
@@ -185,6 +186,7 @@ def load(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> str:
                 ("rms_norm", _norm_fake),
                 ("add_rms_norm", _add_norm_fake),
                 ("int8_tile_rows", _tile_rows_fake),
+                ("argmax_rows", _argmax_fake),
             )
             for name, fake in fakes:
                 torch.library.register_fake(f"{namespace}::{name}")(fake)
@@ -259,6 +261,10 @@ def _int5_fake(x, packed, high, scales, block, mins=None, scale_units=None, min_
 
 
 _int6_fake = _int5_fake
+
+
+def _argmax_fake(logits):
+    return logits.new_empty(logits.shape[0], dtype=torch.int64)
 
 
 def _tile_rows_fake(packed, ids, block, scales, mins=None, scale_units=None, min_units=None):
