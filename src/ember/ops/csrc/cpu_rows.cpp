@@ -1,7 +1,7 @@
 // Two per-token pieces of an eager CPU step around the layers, each one call where aten took ~50-180 us a token.
 //
-// int8_tile_rows: rows of an int8-tiled weight, dequantized: a tied embedding looked up in its output projection's kept codes
-// (`ember.quant.linear.CodesEmbedding`, a GGUF file's Q8_0 token table). In Python the lookup untiled the row's
+// int8_tile_rows: rows of an int8-tiled weight, dequantized: a tied embedding looked up in its output
+// projection's kept codes (`ember.quant.linear.CodesEmbedding`, a GGUF file's Q8_0 token table). In Python the lookup untiled the row's
 // whole tile (16 rows) in ~10 aten ops, 150-180 us a token on 2 cores (SmolLM2, Gemma 3 270M): ~3% of an eager
 // decode step. The values are `Int8BlockLinear.weight_rows`' exactly: float32(q) * scale, then + min, each
 // rounded in float32 (no fused multiply-add), the factors float32, float16 or an int8 code times its run's
