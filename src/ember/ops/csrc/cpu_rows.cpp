@@ -1,11 +1,11 @@
 // Two per-token pieces of an eager CPU step around the layers, each one call where aten took ~50-180 us a token.
 //
 // int8_tile_rows: rows of an int8-tiled weight, dequantized: a tied embedding looked up in its output
-// projection's kept codes (`ember.quant.linear.CodesEmbedding`, a GGUF file's Q8_0 token table). In Python the lookup untiled the row's
-// whole tile (16 rows) in ~10 aten ops, 150-180 us a token on 2 cores (SmolLM2, Gemma 3 270M): ~3% of an eager
-// decode step. The values are `Int8BlockLinear.weight_rows`' exactly: float32(q) * scale, then + min, each
-// rounded in float32 (no fused multiply-add), the factors float32, float16 or an int8 code times its run's
-// float16 unit (`cpu_ext.compact_factors`), as `cpu_ext.uncoded` multiplies them.
+// projection's kept codes (`ember.quant.linear.CodesEmbedding`, a GGUF file's Q8_0 token table). In Python the
+// lookup untiled the row's whole tile (16 rows) in ~10 aten ops, 150-180 us a token on 2 cores (SmolLM2, Gemma 3
+// 270M): ~3% of an eager decode step. The values are `Int8BlockLinear.weight_rows`' exactly: float32(q) * scale,
+// then + min, each rounded in float32 (no fused multiply-add), the factors float32, float16 or an int8 code times
+// its run's float16 unit (`cpu_ext.compact_factors`), as `cpu_ext.uncoded` multiplies them.
 //
 // Layouts (`cpu_ext.int8_tiles`, `int8_block_scales`): codes (N/16, K/32 * 512) uint8, q + 128, block b of 32 k
 // of a tile at 512 b, its run r of 4 k at + 64 r, row i of the tile at + 4 i; factors (N/16, K/block, 16),
@@ -86,7 +86,8 @@ __attribute__((optimize("fp-contract=off"))) void dequantize_row(const uint8_t* 
   const uint8_t* tile = packed + t * (K / kBlock) * 512 + 4 * i;
   for (int64_t k = 0; k < K; ++k) {
     const int64_t c = k / block;
-    const float q = static_cast<float>(static_cast<int>(tile[(k / kBlock) * 512 + ((k % kBlock) / 4) * 64 + k % 4]) - 128);
+    const int code = tile[(k / kBlock) * 512 + ((k % kBlock) / 4) * 64 + k % 4];
+    const float q = static_cast<float>(code - 128);
     const float w = q * scales.at(t, c, i);
     out[k] = mins.given() ? w + mins.at(t, c, i) : w;
   }
