@@ -37,7 +37,8 @@ namespace {
 
 constexpr int64_t kTile = 16, kBlock = 32;
 
-// One form of a tile's factors (scales, or mins): float32, float16, or int8 codes of float16 units.
+// One form of a tile's factors (scales, or mins): float32, float16, or int8 codes of float16 units; one lane at
+// a time, where cpu_gemv.cpp's `factor_at` (over `Coded` and the float forms) reads a block's 16 lanes as a vector.
 struct Factors {
   const float* f32 = nullptr;
   const at::Half* f16 = nullptr;
