@@ -142,16 +142,30 @@ def test_argmax_rows_is_torch_argmax(ops, V):
         ops.argmax_rows(rows.double())
 
 
+# bits -> (the codes' range, their tiles and high planes)
+_TILED = {
+    4: ((0, 16), lambda c: (cpu_ext.nibble_tiles(c), None)),
+    5: ((0, 32), cpu_ext.int5_tiles),
+    6: ((-32, 32), cpu_ext.int6_tiles),
+    8: ((-128, 128), lambda c: (cpu_ext.int8_tiles(c), None)),
+}
+
+
 @pytest.mark.parametrize("form", ["float32", "float16", "coded"])
 @pytest.mark.parametrize("with_mins", [False, True], ids=["scales", "mins"])
 @pytest.mark.parametrize("block", [16, 32])
-def test_int8_tile_rows_are_the_rows_of_the_dequantized_weight(ops, block, with_mins, form):
-    """A tied embedding's lookup in Q8_0 codes (`Int8BlockLinear.weight_rows`): rows of int8 tiles dequantized,
-    float32(q) * scale then + min, each rounded in float32, bit for bit, with float32, float16 or coded factors
-    (int8 codes of a float16 unit a run of 256 k); any shape of ids, repeats, the first and last rows."""
-    torch.manual_seed(block + with_mins)
+@pytest.mark.parametrize("bits", sorted(_TILED))
+def test_tile_rows_are_the_rows_of_the_dequantized_weight(ops, bits, block, with_mins, form):
+    """A tied embedding's lookup in a GGUF table's kept codes (`Int8BlockLinear.weight_rows`): rows of 4-, 5-, 6-
+    or 8-bit tiles dequantized, float32(q) * scale then + min, each rounded in float32, bit for bit, with
+    float32, float16 or coded factors (int8 codes of a float16 unit a run of 256 k); every code of each range
+    (the 6-bit sign bit); any shape of ids, repeats, the first and last rows."""
+    torch.manual_seed(bits + block + with_mins)
     N, K = 48, 512
-    codes = torch.randint(-128, 128, (N, K), dtype=torch.int8)
+    (low, high), tiled_codes = _TILED[bits]
+    codes = torch.randint(low, high, (N, K), dtype=torch.int16)
+    codes[0, :64] = torch.arange(64) % (high - low) + low  # every code
+    codes = codes.to(torch.int8 if low < 0 else torch.uint8)
 
     def factors(sign: float) -> torch.Tensor:
         if form == "coded":  # a K type's: a float16 unit a run of 256 k times small integers
@@ -163,7 +177,7 @@ def test_int8_tile_rows_are_the_rows_of_the_dequantized_weight(ops, block, with_
     scales, mins = factors(1.0), factors(-1.0) if with_mins else None
     want = codes.float().reshape(N, -1, block) * scales[..., None]
     want = (want if mins is None else want + mins[..., None]).reshape(N, K)
-    tiles = cpu_ext.int8_tiles(codes)
+    tiles, planes = tiled_codes(codes)
     compact = cpu_ext.compact_factors(
         [cpu_ext.int8_block_scales(scales), None if mins is None else cpu_ext.int8_block_scales(mins)], K
     )
@@ -171,15 +185,48 @@ def test_int8_tile_rows_are_the_rows_of_the_dequantized_weight(ops, block, with_
     assert (units is not None) == (form == "coded") and tiled.dtype == {
         "float32": torch.float32, "float16": torch.float16, "coded": torch.int8
     }[form]  # fmt: skip
+
+    def rows(ids, b=block, p=planes):
+        return ops.tile_rows(tiles, p, ids, bits, b, tiled, tiled_mins, units, min_units)
+
     ids = torch.tensor([[0, 47, 16], [15, 16, 0]])
-    got = ops.int8_tile_rows(tiles, ids, block, tiled, tiled_mins, units, min_units)
-    assert torch.equal(got, want[ids.reshape(-1)])
-    every = ops.int8_tile_rows(tiles, torch.arange(N), block, tiled, tiled_mins, units, min_units)
-    assert torch.equal(every, want)
+    assert torch.equal(rows(ids), want[ids.reshape(-1)])
+    assert torch.equal(rows(torch.arange(N)), want)
     with pytest.raises(RuntimeError, match=r"row 48 is outside \[0, 48\)"):
-        ops.int8_tile_rows(tiles, torch.tensor([3, 48]), block, tiled, tiled_mins, units, min_units)
+        rows(torch.tensor([3, 48]))
     with pytest.raises(RuntimeError, match=r"scales .* do not match"):  # the other block size's factors
-        ops.int8_tile_rows(tiles, ids, 48 - block, tiled, tiled_mins, units, min_units)
+        rows(ids, b=48 - block)
+    if bits in (5, 6):
+        with pytest.raises(RuntimeError, match="high bits missing"):
+            rows(ids, p=None)
+
+
+@pytest.mark.parametrize("form", ["float32", "coded"])
+@pytest.mark.parametrize("group_size", [32, 64, 256])
+def test_tile_rows_of_int4_groups_are_the_rows_of_the_dequantized_weight(ops, group_size, form):
+    """A tied embedding's lookup in a 4-bit table's kept codes (`Int4WeightOnlyLinear.weight_rows`, a Q4_K or
+    Q4_1 table): int4 tiles with (scale, min) pairs a group, float32 or coded as a K type's."""
+    torch.manual_seed(group_size)
+    N, K = 48, 512
+    codes = torch.randint(0, 16, (N, K), dtype=torch.uint8)
+    if form == "coded":
+        unit = (torch.rand(N, K // 256, 2) * 1e-3).half().float()
+        pair = unit.repeat_interleave(256 // group_size, dim=1) * torch.randint(
+            1, 64, (N, K // group_size, 2)
+        )
+        scales, mins = pair[..., 0], -pair[..., 1]
+    else:
+        scales, mins = torch.rand(N, K // group_size) * 0.01, -torch.rand(N, K // group_size) * 0.05
+    want = (codes.float().reshape(N, -1, group_size) * scales[..., None] + mins[..., None]).reshape(N, K)
+    tiles, scale_min = cpu_ext.int4_tiles(pack_nibbles(codes), scales, mins, torch.float32)
+    ((scale_min, units),) = cpu_ext.compact_factors([scale_min], K)
+    assert (units is not None) == (form == "coded")
+    ids = torch.tensor([47, 0, 16, 16, 31])
+    got = ops.tile_rows(tiles, None, ids, 4, group_size, scale_min, None, units)
+    assert torch.equal(got, want[ids])
+    assert torch.equal(
+        ops.tile_rows(tiles, None, torch.arange(N), 4, group_size, scale_min, None, units), want
+    )
 
 
 @pytest.mark.parametrize("with_mins", [False, True], ids=["scales", "mins"])

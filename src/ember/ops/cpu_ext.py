@@ -23,8 +23,9 @@
   for a paged cache's tokens;
 - `rms_norm` and `add_rms_norm` (`csrc/cpu_norm.cpp`): `ember.ops.norm`'s RMSNorm (and the residual add before
   it) in one call, for eager steps, where its ~10 aten ops a norm were a tenth of a small model's step.
-- `int8_tile_rows` (`csrc/cpu_rows.cpp`): rows of int8 tiles dequantized (`untile_int8` and the factors for
-  just those rows, the same values): a tied embedding looked up in its output projection's Q8_0 codes;
+- `tile_rows` (`csrc/cpu_rows.cpp`): rows of 4-, 5-, 6- or 8-bit tiles dequantized (`untile_int8`,
+  `untile_int6` ... and the factors for just those rows, the same values): a tied embedding looked up in its
+  output projection's kept codes (a GGUF file's Q8_0, Q6_K, Q4_K ... token table);
   `argmax_rows`, torch.argmax over each row of float32 logits (`ember.ops.argmax` in eager steps).
 
 The sources are compiled with the host's compiler (`$CXX`, else g++) for the host's instruction set
@@ -185,7 +186,7 @@ def load(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> str:
                 ("rope_write", _rope_write_fake),
                 ("rms_norm", _norm_fake),
                 ("add_rms_norm", _add_norm_fake),
-                ("int8_tile_rows", _tile_rows_fake),
+                ("tile_rows", _tile_rows_fake),
                 ("argmax_rows", _argmax_fake),
             )
             for name, fake in fakes:
@@ -267,8 +268,10 @@ def _argmax_fake(logits):
     return logits.new_empty(logits.shape[0], dtype=torch.int64)
 
 
-def _tile_rows_fake(packed, ids, block, scales, mins=None, scale_units=None, min_units=None):
-    return packed.new_empty(ids.numel(), packed.shape[1] // 512 * BLOCK, dtype=torch.float32)
+def _tile_rows_fake(packed, high, ids, bits, block, scales, mins=None, scale_units=None, min_units=None):
+    return packed.new_empty(
+        ids.numel(), packed.shape[1] // (512 if bits == 8 else 256) * BLOCK, dtype=torch.float32
+    )
 
 
 def _attention_fake(q, *args):
@@ -359,12 +362,6 @@ def untile_nibbles(packed: torch.Tensor) -> torch.Tensor:
     c = packed.reshape(T, K // BLOCK, 4, TILE, 4)  # (tile, block, run, row, byte)
     c = torch.stack((c & 0xF, c >> 4), dim=-1)  # (.., byte, half) -> (tile, row, block, half, run, byte)
     return c.permute(0, 3, 1, 5, 2, 4).reshape(T * TILE, K).contiguous()
-
-
-def tile_rows(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows `ids` (1-D) of a tiled weight -> the tiles that hold them, and where each row falls among those
-    tiles' untiled rows (len(ids) * 16 of them)."""
-    return ids // TILE, torch.arange(ids.numel(), device=ids.device) * TILE + ids % TILE
 
 
 def untile_scale_min(scale_min: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

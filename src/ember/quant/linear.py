@@ -383,16 +383,16 @@ class Int4WeightOnlyLinear(QuantLinear):
 
     def weight_rows(self, ids: torch.Tensor | None) -> torch.Tensor:
         """Rows `ids` (1-D; None: all) of the float weight these codes stand for, in float32; from the kernel's
-        tiles where a "cpu_f32" prepare() released the canonical codes (each row's whole tile untiled)."""
+        tiles where a "cpu_f32" prepare() released the canonical codes (rows asked for in C++, the same values)."""
+        if self.qweight is None and ids is not None:
+            return torch.ops.ember_cpu.tile_rows(
+                self._tiles, None, ids, 4, self.group_size, self._tile_scale_min, None, self._scale_min_units
+            )
         if self.qweight is None:
-            tiles, sm, units = self._tiles, self._tile_scale_min, self._scale_min_units
-            if ids is not None:
-                which, own = cpu_ext.tile_rows(ids)
-                tiles, sm, units = tiles[which], sm[which], None if units is None else units[which]
-            codes = cpu_ext.untile_nibbles(tiles)
-            scales, mins = cpu_ext.untile_scale_min(cpu_ext.uncoded(sm, units))
-            if ids is not None:  # each row of its tile
-                codes, scales, mins = codes[own], scales[own], mins[own]
+            codes = cpu_ext.untile_nibbles(self._tiles)
+            scales, mins = cpu_ext.untile_scale_min(
+                cpu_ext.uncoded(self._tile_scale_min, self._scale_min_units)
+            )
         else:
             qweight, scales, mins = (
                 (self.qweight, self.scales, self.mins)
@@ -775,37 +775,23 @@ class Int8BlockLinear(QuantLinear):
 
     def weight_rows(self, ids: torch.Tensor | None) -> torch.Tensor:
         """Rows `ids` (1-D; None: all) of the float weight these codes stand for, in float32; from the kernel's
-        tiles where prepare() released the canonical codes (8-bit ones in C++, the same values; 5- and 6-bit ones
-        with each row's whole tile untiled)."""
-        if self.qweight is None and ids is not None and self._high is None:
-            units = (self._scale_units, self._min_units)
-            return torch.ops.ember_cpu.int8_tile_rows(
-                self._tiles, ids, self.block, self._tile_scales, self._tile_mins, *units
+        tiles where prepare() released the canonical codes (rows asked for in C++, the same values)."""
+        if self.qweight is None and ids is not None:
+            factors = (self._tile_scales, self._tile_mins, self._scale_units, self._min_units)
+            return torch.ops.ember_cpu.tile_rows(
+                self._tiles, self._high, ids, self._bits, self.block, *factors
             )
         if self.qweight is None:
-            held = (
-                self._tiles,
-                self._high,
-                self._tile_scales,
-                self._scale_units,
-                self._tile_mins,
-                self._min_units,
-            )
-            if ids is not None:
-                which, own = cpu_ext.tile_rows(ids)
-                held = tuple(None if t is None else t[which] for t in held)
-            tiles, high, scales, scale_units, mins, min_units = held
+            tiles, high, mins = self._tiles, self._high, self._tile_mins
             codes = (
                 cpu_ext.untile_int8(tiles)
                 if high is None
                 else (cpu_ext.untile_int5 if self._bits == 5 else cpu_ext.untile_int6)(tiles, high)
             )
             scales, mins = (
-                cpu_ext.untile_factors(cpu_ext.uncoded(scales, scale_units)),
-                None if mins is None else cpu_ext.untile_factors(cpu_ext.uncoded(mins, min_units)),
+                cpu_ext.untile_factors(cpu_ext.uncoded(self._tile_scales, self._scale_units)),
+                None if mins is None else cpu_ext.untile_factors(cpu_ext.uncoded(mins, self._min_units)),
             )
-            if ids is not None:  # each row of its tile
-                codes, scales, mins = codes[own], scales[own], None if mins is None else mins[own]
         else:
             codes, scales, mins = self.qweight, self.scales, self.mins
             if ids is not None:
