@@ -705,11 +705,20 @@ def test_kernels_that_cannot_be_built_leave_torch_kernels(monkeypatch, tmp_path,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "B,H,K,S,D,window",
-    [(1, 9, 3, 256, 64, 0), (3, 8, 2, 100, 80, 0), (2, 4, 4, 64, 32, 7), (1, 2, 1, 40, 256, 40)],
+    [
+        (1, 9, 3, 256, 64, 0),
+        (3, 8, 2, 100, 80, 0),
+        (2, 4, 4, 64, 32, 7),
+        (1, 2, 1, 40, 256, 40),
+        (3, 12, 2, 300, 64, 0),
+        (2, 5, 1, 400, 128, 200),
+    ],
 )
 def test_decode_attention_reads_the_slots_each_row_sees(ops, dtype, B, H, K, S, D, window):
-    """Against the masked reference over every slot: grouped heads, rows at their own positions (the first and
-    last slot among them), a sliding window; slots past a row's position hold values it must not read."""
+    """Against the masked reference over every slot: grouped heads (1 to 6 a kv head), rows at their own
+    positions (the first and last slot among them), a sliding window; slots past a row's position hold values
+    it must not read. Rows past 128 visible slots are split into runs and merged (a window's too), beside rows
+    with fewer runs."""
     from ember.ops.decode_attention import attend_reference
 
     torch.manual_seed(S + D)
@@ -734,11 +743,13 @@ def test_decode_attention_refuses_a_position_outside_the_cache(ops):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 5])
-def test_paged_decode_attention_follows_each_rows_slots(ops, dtype, window):
+@pytest.mark.parametrize("S", [24, 200])
+def test_paged_decode_attention_follows_each_rows_slots(ops, dtype, window, S):
     """Rows whose tokens lie in scattered pool slots (a block table's), at their own positions: the static
-    kernel's answer on the rows gathered in order; pool slots no row sees hold values that would show."""
+    kernel's answer on the rows gathered in order (runs of slots merged alike); pool slots no row sees hold
+    values that would show."""
     torch.manual_seed(window)
-    B, H, K, S, D, pool = 3, 6, 2, 24, 64, 100
+    B, H, K, D, pool = 3, 6, 2, 64, 100 + S
     q = torch.randn(B, H, D, dtype=dtype)
     k_pool, v_pool = (torch.full((pool, K, D), 1e4, dtype=dtype) for _ in range(2))
     slots = torch.stack([torch.randperm(pool)[:S] for _ in range(B)])  # (B, S)
@@ -750,7 +761,7 @@ def test_paged_decode_attention_follows_each_rows_slots(ops, dtype, window):
     k_rows, v_rows = (pool_[slots].transpose(1, 2) for pool_ in (k_pool, v_pool))  # (B, K, S, D)
     want = ops.decode_attention(q, k_rows.contiguous(), v_rows.contiguous(), positions, D**-0.5, window)
     assert torch.equal(got, want)
-    with pytest.raises(RuntimeError, match="outside the pool's 100"):
+    with pytest.raises(RuntimeError, match=f"outside the pool's {pool}"):
         bad = slots.clone()
         bad[1, S - 1] = pool  # row 1 sees its last slot under any window
         ops.paged_decode_attention(q, k_pool, v_pool, bad, positions, D**-0.5, window)

@@ -3,9 +3,15 @@
 //
 // The graph's version (ember.ops.attention.grouped_decode_attention) multiplies every slot of the cache behind
 // a mask with two batched matmuls: on SmolLM2's 2-core decode step that was ~1.3 ms of ~4.5 (bmm calls of
-// ~18 us on (3 x 3, 64) x (64, S) operands). Here each query head is one task: its scores in a buffer, a
-// softmax with an exp of our own that the compiler vectorizes (a call to expf per slot cost more than the
-// matmuls), and the weighted sum of the values.
+// ~18 us on (3 x 3, 64) x (64, S) operands). Here a task is one kv head's G query heads over a run of at most
+// kRunSlots of its slots: their scores in a buffer, a softmax with an exp of our own that the compiler
+// vectorizes (a call to expf per slot cost more than the matmuls), and the weighted sums of the values, each key
+// and value read once for the G heads. A row's runs are then merged (their maxima, sums and outputs, as flash
+// decoding merges), so a few kv heads still make enough tasks for every thread; and small work runs on the
+// calling thread alone (`kParallelWork`). With float32 caches and AVX-512, the scores of 16 slots are summed as
+// 16 vectors reduced together and the weighted sums of up to 4 heads share each loaded value. Where each query
+// head was a task (reading its kv head's slots once a head, 9 tasks for SmolLM2's 3 kv heads), SmolLM2's eager
+// decode at positions 1800-1864 ran 109-114 tok/s on a 2-core Zen 4; now 134-135 (BENCHMARKS.md).
 //
 // Shape legend: B rows, H query heads, K kv heads (H a multiple), S cache slots, D head dim.
 
@@ -86,6 +92,19 @@ void weighted_sum(const float* w, const T* v, Rows row, int64_t n, int64_t D, fl
   for (int64_t d = 0; d < D; ++d) out[d] *= scale;
 }
 
+// s[g * n + j] = scale * (q_g . k[row(j)]) for each of the G query heads (q: G rows of D) and n slots.
+template <typename T, typename Rows>
+void scores_of(const float* q, const T* k, Rows row, int64_t n, int64_t D, int64_t G, float scale, float* s) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < n; ++j) s[g * n + j] = dot(q + g * D, k + row(j), D) * scale;
+}
+
+// acc (G rows of D) = sum_j w[g * n + j] * v[row(j)] for each head g.
+template <typename T, typename Rows>
+void weighted_sums(const float* w, const T* v, Rows row, int64_t n, int64_t D, int64_t G, float* acc) {
+  for (int64_t g = 0; g < G; ++g) weighted_sum(w + g * n, v, row, n, D, 1.f, acc + g * D);
+}
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 // float32 caches, D a multiple of 64: 64 sums at a time in registers (the generic loop kept them in memory,
@@ -128,44 +147,216 @@ inline float dot<float>(const float* q, const float* k, int64_t D) {
   for (int64_t d = 0; d < D; d += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k + d), acc);
   return _mm512_reduce_add_ps(acc);
 }
+
+// The 16 sums of vectors a[0..15] (each a's 16 lanes added), in order: pairs of vectors, then of those, folded
+// lane into lane, ~2 instructions a sum where a horizontal sum each took ~8.
+inline __m512 sum16(const __m512* a) {
+  __m512 r[8], w[4], x[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of a = a[2i], b = a[2i + 1]
+    r[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: vectors 4i..4i+3's partial sums
+    w[i] = _mm512_add_ps(_mm512_shuffle_ps(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(r[2 * i], r[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 2; ++i)  // lanes 0 + 2 and 1 + 3 of w[2i], then of w[2i + 1]
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(x[0], x[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// float32 keys, D a multiple of 16: 16 slots at a time, each head's 16 dot products summed by `sum16`.
+template <typename Rows>
+void scores_of(const float* q, const float* k, Rows row, int64_t n, int64_t D, int64_t G, float scale, float* s) {
+  if (D % kLanes) {
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < n; ++j) s[g * n + j] = dot(q + g * D, k + row(j), D) * scale;
+    return;
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  int64_t j0 = 0;
+  for (; j0 + kLanes <= n; j0 += kLanes) {
+    const float* kj[kLanes];
+    for (int i = 0; i < kLanes; ++i) kj[i] = k + row(j0 + i);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      __m512 a[kLanes];
+      for (int i = 0; i < kLanes; ++i) a[i] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += kLanes) {
+        const __m512 qd = _mm512_loadu_ps(qg + d);
+#pragma GCC unroll 16
+        for (int i = 0; i < kLanes; ++i) a[i] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kj[i] + d), a[i]);
+      }
+      _mm512_storeu_ps(s + g * n + j0, _mm512_mul_ps(sum16(a), sc));
+    }
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = j0; j < n; ++j) s[g * n + j] = dot(q + g * D, k + row(j), D) * scale;
+}
+
+// NG heads' sums of DC vectors of D from d0, each value's vectors loaded once for the NG heads.
+template <int NG, int DC, typename Rows>
+void weighted_block(const float* w, const float* v, Rows row, int64_t n, int64_t d0, int64_t D, float* acc) {
+  __m512 a[NG][DC];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < DC; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vj = v + row(j) + d0;
+    __m512 x[DC];
+    for (int c = 0; c < DC; ++c) x[c] = _mm512_loadu_ps(vj + c * kLanes);
+    for (int g = 0; g < NG; ++g) {
+      const __m512 wj = _mm512_set1_ps(w[g * n + j]);
+      for (int c = 0; c < DC; ++c) a[g][c] = _mm512_fmadd_ps(wj, x[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + g * D + d0 + c * kLanes, a[g][c]);
+}
+
+template <int DC, typename Rows>
+void weighted_heads(const float* w, const float* v, Rows row, int64_t n, int64_t d0, int64_t D, int64_t G,
+                    float* acc) {
+  for (int64_t g = 0; g < G; g += 4) {
+    const float* wg = w + g * n;
+    float* ag = acc + g * D;
+    switch (std::min<int64_t>(4, G - g)) {
+      case 4: weighted_block<4, DC>(wg, v, row, n, d0, D, ag); break;
+      case 3: weighted_block<3, DC>(wg, v, row, n, d0, D, ag); break;
+      case 2: weighted_block<2, DC>(wg, v, row, n, d0, D, ag); break;
+      default: weighted_block<1, DC>(wg, v, row, n, d0, D, ag);
+    }
+  }
+}
+
+// float32 values, D a multiple of 16: up to 4 heads x 64 dims of sums in registers a pass.
+template <typename Rows>
+void weighted_sums(const float* w, const float* v, Rows row, int64_t n, int64_t D, int64_t G, float* acc) {
+  if (D % kLanes) {
+    for (int64_t g = 0; g < G; ++g) weighted_sum(w + g * n, v, row, n, D, 1.f, acc + g * D);
+    return;
+  }
+  int64_t d0 = 0;
+  for (; d0 + 4 * kLanes <= D; d0 += 4 * kLanes) weighted_heads<4>(w, v, row, n, d0, D, G, acc);
+  for (; d0 < D; d0 += kLanes) weighted_heads<1>(w, v, row, n, d0, D, G, acc);
+}
 #endif
 
-// One query head (q, D floats) over n slots of its kv head, slot j's key at k + row(j) and value at v + row(j).
-template <typename T, typename Rows>
-void attend_head(const float* q, const T* k, const T* v, Rows row, int64_t n, int64_t D, float scale,
-                 std::vector<float>& scores, float* out) {
-  scores.resize(n);
-  float mx = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) {
-    scores[j] = dot(q, k + row(j), D) * scale;
-    mx = std::max(mx, scores[j]);
+// The largest of x[0..n) (-inf for none), in kLanes independent lanes: one running maximum was a chain of
+// dependent instructions, a quarter of the attention's time.
+inline float largest(const float* x, int64_t n) {
+  float lane[kLanes];
+  std::fill(lane, lane + kLanes, -INFINITY);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) lane[l] = std::max(lane[l], x[j + l]);
+  for (; j < n; ++j) lane[0] = std::max(lane[0], x[j]);
+  return *std::max_element(lane, lane + kLanes);
+}
+
+// x[j] = exp(x[j] - mx) for j < n (each at most mx), and their sum, in kLanes lanes added as a tree.
+inline float exp_sum(float* x, int64_t n, float mx) {
+  float lane[kLanes] = {0};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      x[j + l] = exp_nonpositive(x[j + l] - mx);
+      lane[l] += x[j + l];
+    }
+  for (; j < n; ++j) {
+    x[j] = exp_nonpositive(x[j] - mx);
+    lane[0] += x[j];
   }
-  float* s = scores.data();
-  for (int64_t j = 0; j < n; ++j) s[j] = exp_nonpositive(s[j] - mx);
-  float sum = 0.f;
-  for (int64_t j = 0; j < n; ++j) sum += s[j];
-  weighted_sum(s, v, row, n, D, 1.f / sum, out);
+  for (int width = kLanes / 2; width > 0; width /= 2)
+    for (int l = 0; l < width; ++l) lane[l] += lane[l + width];
+  return lane[0];
+}
+
+// Below this many multiply-adds of a kind (scores, or weighted sums) the tasks run on the calling thread: a
+// parallel region's start and end (~3-4 us on 2 threads) cost more than a second thread saves (2-core Zen 4:
+// even at ~110K, one thread faster below).
+constexpr int64_t kParallelWork = 128 * 1024;
+
+// Slots a task takes at most: a row's visible slots are split into runs of this many, merged at the end
+// (fixed, not from the thread count: the same sums on any machine).
+constexpr int64_t kRunSlots = 128;
+
+// A kv head's G query heads (q: G rows of D) over its n slots (slot j's key at k + row(j), value at v + row(j)):
+// each head's largest score m[g], the sum l[g] of exp(score - m[g]), and acc (G rows of D) the sum of exp(score
+// - m[g]) v; n = 0 leaves m = -inf, l = 0 and acc 0. s: G * n floats of scratch.
+template <typename T, typename Rows>
+void attend_run(const float* q, const T* k, const T* v, Rows row, int64_t n, int64_t D, int64_t G, float scale,
+                float* s, float* m, float* l, float* acc) {
+  scores_of(q, k, row, n, D, G, scale, s);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * n;
+    m[g] = largest(sg, n);
+    l[g] = exp_sum(sg, n, m[g]);
+  }
+  if (n == 0) {
+    std::fill(acc, acc + G * D, 0.f);
+    return;
+  }
+  weighted_sums(s, v, row, n, D, G, acc);
 }
 
 // The first slot a query at position p sees: 0, or with a sliding window the last `window` (p - window < slot).
 inline int64_t first_visible(int64_t p, int64_t window) { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }
 
-// Calls head(kv dtype tag, row b, kv head g, q row, out row, scores buffer) for every (row, query head) on
-// torch's threads: q in float32, the result back in q's dtype. K kv heads, each serving H / K query heads.
-template <typename Head>
-at::Tensor each_head(const at::Tensor& q, at::ScalarType kv_dtype, int64_t K, Head head) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), group = H / K;
+// Every row's attention, q (B, H, D) -> (B, H, D) in q's dtype: K kv heads, each serving G = H / K query heads;
+// row b sees `visible(b)` slots. Tasks (row, kv head, run of kRunSlots) on torch's threads, each calling
+// run(kv dtype tag, b, kv head, first slot of the run, slots, q rows, m, l, acc, scratch) (`attend_run`'s
+// outputs); then each row's runs merged.
+template <typename Visible, typename Run>
+at::Tensor each_group(const at::Tensor& q, at::ScalarType kv_dtype, int64_t K, Visible visible, Run run) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), G = H / K;
   const auto qf = q.to(at::kFloat).contiguous();
   auto out = at::empty({B, H, D}, qf.options());
   const float* qp = qf.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  int64_t runs = 1, work = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    runs = std::max(runs, (visible(b) + kRunSlots - 1) / kRunSlots);
+    work += H * D * visible(b);
+  }
+  // Each task's (m, l) of G heads, then its acc of G x D.
+  const int64_t per = G * (D + 2);
+  std::vector<float> parts(B * K * runs * per);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, kv_dtype, "decode_attention", [&] {
-    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      for (int64_t i = begin; i < end; ++i)
-        head(scalar_t{}, i / H, (i % H) / group, qp + i * D, op + i * D, scores);
+    at::parallel_for(0, B * K * runs, work < kParallelWork ? B * K * runs : 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(G * kRunSlots);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t b = t / (K * runs), g = (t / runs) % K, r = t % runs;
+        const int64_t lo = std::min(r * kRunSlots, visible(b)), n = std::min(kRunSlots, visible(b) - lo);
+        float* part = parts.data() + t * per;
+        run(scalar_t{}, b, g, lo, n, qp + (b * H + g * G) * D, part, part + G, part + 2 * G, scratch.data());
+      }
     });
   });
+  // One run: acc / l, as the sums stand. More: each run's sums scaled to the row's largest score first.
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < K; ++g) {
+      const float* first = parts.data() + (b * K + g) * runs * per;
+      for (int64_t h = 0; h < G; ++h) {
+        float* o = op + (b * H + g * G + h) * D;
+        if (runs == 1) {
+          const float inv = 1.f / first[G + h];
+          for (int64_t d = 0; d < D; ++d) o[d] = first[2 * G + h * D + d] * inv;
+          continue;
+        }
+        float mx = -INFINITY;
+        for (int64_t r = 0; r < runs; ++r) mx = std::max(mx, first[r * per + h]);
+        float sum = 0.f;
+        std::fill(o, o + D, 0.f);
+        for (int64_t r = 0; r < runs; ++r) {
+          const float* part = first + r * per;
+          if (part[G + h] == 0.f) continue;  // a run the row does not reach
+          const float f = exp_nonpositive(part[h] - mx);
+          sum += part[G + h] * f;
+          for (int64_t d = 0; d < D; ++d) o[d] += part[2 * G + h * D + d] * f;
+        }
+        const float inv = 1.f / sum;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+      }
+    }
   return out.to(q.scalar_type());
 }
 
@@ -189,22 +380,25 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(pp[b] >= 0 && pp[b] < S, "position ", pp[b], " is outside the cache's ", S, " slots");
   const int64_t sb = k_cache.stride(0), sk = k_cache.stride(1), ss = k_cache.stride(2);
-  return each_head(q, k_cache.scalar_type(), K, [&](auto tag, int64_t b, int64_t g, const float* qi, float* oi,
-                                                    std::vector<float>& scores) {
-    using T = decltype(tag);
-    const int64_t offset = b * sb + g * sk, p = pp[b], first = first_visible(p, window);
-    attend_head(qi, static_cast<const T*>(k_cache.const_data_ptr()) + offset,
-                static_cast<const T*>(v_cache.const_data_ptr()) + offset, Consecutive{first, ss}, p - first + 1, D,
-                static_cast<float>(scale), scores, oi);
-  });
+  auto visible = [&](int64_t b) { return pp[b] - first_visible(pp[b], window) + 1; };
+  return each_group(q, k_cache.scalar_type(), K, visible,
+                    [&](auto tag, int64_t b, int64_t g, int64_t lo, int64_t n, const float* qg, float* m, float* l,
+                        float* acc, float* scratch) {
+                      using T = decltype(tag);
+                      const int64_t offset = b * sb + g * sk, first = first_visible(pp[b], window) + lo;
+                      attend_run(qg, static_cast<const T*>(k_cache.const_data_ptr()) + offset,
+                                 static_cast<const T*>(v_cache.const_data_ptr()) + offset, Consecutive{first, ss},
+                                 n, D, H / K, static_cast<float>(scale), scratch, m, l, acc);
+                    });
 }
 
 // x (N, D) rows of one token: the first Dr dims rotated at cos, sin (Dr,) with the half-split convention, as
 // `ember.ops.rope.apply_rope` computes it in T: cos and sin rounded to T, each product and the sum rounded to
 // T (the products kept apart: a fused multiply-add would round once where torch rounds twice).
 template <typename T>
-__attribute__((optimize("fp-contract=off"))) void rope_row(const T* x, const float* cos, const float* sin,
-                                                             int64_t N, int64_t D, int64_t Dr, T* out) {
+__attribute__((optimize("fp-contract=off"))) void rope_row(const T* __restrict__ x, const float* __restrict__ cos,
+                                                             const float* __restrict__ sin, int64_t N, int64_t D,
+                                                             int64_t Dr, T* __restrict__ out) {
   const int64_t half = Dr / 2;
   auto r = [](float v) { return static_cast<float>(static_cast<T>(v)); };
   for (int64_t n = 0; n < N; ++n) {
@@ -338,14 +532,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_pool,
                   " is outside the pool's ", pool_slots);
   }
   const int64_t ss = k_pool.stride(0), sk = k_pool.stride(1);
-  return each_head(q, k_pool.scalar_type(), K, [&](auto tag, int64_t b, int64_t g, const float* qi, float* oi,
-                                                   std::vector<float>& scores) {
-    using T = decltype(tag);
-    const int64_t p = pp[b], first = first_visible(p, window);
-    attend_head(qi, static_cast<const T*>(k_pool.const_data_ptr()) + g * sk,
-                static_cast<const T*>(v_pool.const_data_ptr()) + g * sk, Indexed{tp + b * S + first, ss},
-                p - first + 1, D, static_cast<float>(scale), scores, oi);
-  });
+  auto visible = [&](int64_t b) { return pp[b] - first_visible(pp[b], window) + 1; };
+  return each_group(q, k_pool.scalar_type(), K, visible,
+                    [&](auto tag, int64_t b, int64_t g, int64_t lo, int64_t n, const float* qg, float* m, float* l,
+                        float* acc, float* scratch) {
+                      using T = decltype(tag);
+                      const int64_t first = first_visible(pp[b], window) + lo;
+                      attend_run(qg, static_cast<const T*>(k_pool.const_data_ptr()) + g * sk,
+                                 static_cast<const T*>(v_pool.const_data_ptr()) + g * sk,
+                                 Indexed{tp + b * S + first, ss}, n, D, H / K, static_cast<float>(scale), scratch,
+                                 m, l, acc);
+                    });
 }
 
 }  // namespace
