@@ -2,16 +2,17 @@
 their prefills, with transformers', in turn as well.
 
 On a shared VM the speed of a process drifts by 10-20% from minute to minute (and for minutes at a time by
-1.5x), so two engines measured one after the other can swap places. Here both generate from the same 128-token
-prompt and take their decode steps alternately (Ember's step, llama.cpp's step, ...), so any drift hits both
-alike; the table gives the median step of each over all rounds, and the median of the per-round medians. Each
-round starts with the engines' prefills of the prompt, one after the other (Ember's compiled prefill, to the
-first token; llama.cpp's; with `--transformers`, transformers' float32 forward as its `generate` runs it,
-logits of the last position only).
+1.5x), so two engines measured one after the other can swap places. Here both generate from the same prompt
+(128 random tokens; `--prompt-tokens`) and take their decode steps alternately (Ember's step, llama.cpp's step,
+...), so any drift hits both alike; the table gives the median step of each over all rounds, and the median of
+the per-round medians. Each round starts with the engines' prefills of the prompt, one after the other (Ember's
+compiled prefill, to the first token; llama.cpp's; with `--transformers`, transformers' float32 forward as its
+`generate` runs it, logits of the last position only).
 
     PYTHONPATH=src taskset -c 0,1 python benchmarks/cpu_interleaved.py --scheme int4-g32 --rounds 5
     PYTHONPATH=src taskset -c 0,1 python benchmarks/cpu_interleaved.py --turns round --rounds 9
     PYTHONPATH=src taskset -c 0,1 python benchmarks/cpu_interleaved.py --gguf FILE --scheme default --eager
+    PYTHONPATH=src taskset -c 0,1 python benchmarks/cpu_interleaved.py --scheme default --eager --prompt-tokens 1800
 
 `--eager` adds Ember's eager step (`ember.engine.cpu_step`: what `generate` and `chat` run without a compiled
 package) as a third engine in the same turns. `--gguf FILE` runs another GGUF file (both engines; say `gguf_requantize.py --shape llama-3.2-1b`'s) in place of
@@ -41,11 +42,11 @@ from ember.loading.hub import DEFAULT_MODEL, resolve
 class LlamaCppSteps:
     """llama.cpp behind Generator.generate's shape: the first item is the prefill, each later one a step."""
 
-    def __init__(self, path: str, threads: int) -> None:
+    def __init__(self, path: str, threads: int, context: int) -> None:
         from llama_cpp import Llama
 
         self.llm = Llama(
-            model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False
+            model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=context, verbose=False
         )
 
     def generate(self, prompt: list[int], params: SamplingParams, *_):
@@ -53,7 +54,8 @@ class LlamaCppSteps:
         llm.reset()
         llm.eval(prompt)
         for _ in range(params.max_tokens):
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            # The last token's logits, as llama.cpp keeps them (Llama.scores holds them only with logits_all).
+            token = int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
             yield token
             llm.eval([token])
 
@@ -68,6 +70,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=128,
+        help="the prompt's length: decode steps then attend to this many slots and more",
+    )
     ap.add_argument("--transformers", action="store_true", help="also time transformers' prefill in turn")
     ap.add_argument(
         "--eager",
@@ -92,18 +100,20 @@ def main() -> None:
     scheme = None if args.scheme == "default" else args.scheme
     path = args.gguf or str(resolve(DEFAULT_MODEL).path)
     loaded = load(path, device="cpu", progress=False, quantize=scheme)
-    prompt = torch.randint(3, loaded.config.vocab_size, (128,), generator=torch.Generator().manual_seed(0))
-    prompt = prompt.tolist()
+    prompt = torch.randint(
+        3, loaded.config.vocab_size, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0)
+    ).tolist()
+    context = max(512, -(-(args.prompt_tokens + args.new_tokens + 2) // 256) * 256)
     params = SamplingParams(max_tokens=args.new_tokens + 1, temperature=0.0, ignore_eos=True)
     engines = {
         f"Ember {args.scheme} (compiled)": Generator(
-            loaded.model, device=torch.device("cpu"), context=512, compile=True, compile_prefill=True
+            loaded.model, device=torch.device("cpu"), context=context, compile=True, compile_prefill=True
         ),
-        "llama.cpp (GGUF weights)": LlamaCppSteps(path, args.threads),
+        "llama.cpp (GGUF weights)": LlamaCppSteps(path, args.threads, context),
     }
     if args.eager:
         engines[f"Ember {args.scheme} (eager)"] = Generator(
-            loaded.model, device=torch.device("cpu"), context=512, compile=False
+            loaded.model, device=torch.device("cpu"), context=context, compile=False
         )
     for name, engine in engines.items():  # warm-up: compiles (or loads the compiled step)
         t = time.perf_counter()
@@ -152,7 +162,7 @@ def main() -> None:
             f"{ref / m:>13.2f}x"
         )
     print(
-        f"\n{'prefill (128 tokens)':<34}{'median (ms)':>18}{'tok/s':>8}{'vs llama.cpp':>14}{'vs transformers':>17}"
+        f"\n{f'prefill ({len(prompt)} tokens)':<34}{'median (ms)':>18}{'tok/s':>8}{'vs llama.cpp':>14}{'vs transformers':>17}"
     )
     ref = statistics.median(prefills["llama.cpp (GGUF weights)"])
     tf = statistics.median(prefills[next(iter(prefill_fns))]) if prefill_fns else None
