@@ -47,17 +47,21 @@ def bench_llama_cpp(path: str, threads: int) -> dict:
 
     llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
     ids = prompt_ids(llm.n_vocab())
+
+    def greedy() -> int:  # the last token's logits, as llama.cpp keeps them (Llama.scores needs logits_all)
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+
     pre, dec = [], []
     for i in range(REPEATS + 1):
         llm.reset()
         t = time.perf_counter()
         llm.eval(ids)
         t_pre = time.perf_counter() - t
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = greedy()
         t = time.perf_counter()
         for _ in range(NEW - 1):
             llm.eval([token])
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            token = greedy()
         t_dec = time.perf_counter() - t
         if i:
             pre.append(PROMPT / t_pre)
