@@ -24,7 +24,7 @@ import torch
 from ember import huge_pages
 from ember.config import ModelConfig
 from ember.ops import cpu_ext
-from ember.ops.attention import causal_mask, grouped_decode_attention, sdpa_attention
+from ember.ops.attention import causal_mask, grouped_decode_attention, prompt_attention, sdpa_attention
 from ember.ops.decode_attention import decode_attention as cuda_decode_attention
 from ember.ops.rope import apply_rope_qk
 
@@ -73,10 +73,7 @@ class StaticKVCache:
         self._rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         T = positions.shape[1]
         if self._whole_prompt(T):
-            slots = self._slots[:, :T]
-            self._masks = {
-                w: causal_mask(positions, slots, w) for w in self.windows if w is not None and w < T
-            }
+            self._masks = {}  # `prompt_attention` makes what it needs
         else:
             self._masks = {w: causal_mask(positions, self._slots, w) for w in self.windows}
 
@@ -143,12 +140,11 @@ class StaticKVCache:
             k_all, v_all, mask = self.k[layer][:B], self.v[layer][:B], self._masks[window][:B]
             return grouped_decode_attention(q, k_all, v_all, mask, scale)
         if self._whole_prompt(T):  # its own T slots; causal unless a window hides part of them
-            mask = self._masks.get(window)
-            out = sdpa_attention(
+            out = prompt_attention(
                 q.transpose(1, 2),  # (B, H, T, D)
                 k.transpose(1, 2),  # (B, K, T, D), what was just written to slots 0..T-1
                 v.transpose(1, 2),
-                None if mask is None else mask[:B],
+                window=window,
                 scale=scale,
                 softcap=softcap,
             )

@@ -21,7 +21,7 @@ import torch
 from ember import huge_pages
 from ember.config import ModelConfig
 from ember.ops import cpu_ext
-from ember.ops.attention import causal_mask, sdpa_attention
+from ember.ops.attention import causal_mask, prompt_attention, sdpa_attention
 from ember.ops.rope import apply_rope_qk
 
 
@@ -94,13 +94,9 @@ class PagedKVCache:
             q_pos = (b.decode_lens - 1)[:, None]  # (Bd, 1)
             for w in self.windows:
                 self._masks[("decode", w)] = causal_mask(q_pos, k_pos, w)  # (Bd, 1, 1, S)
-        self._prefill_slots = []
-        for i, (start, n, table, ctx) in enumerate(b.prefills):
-            self._prefill_slots.append(self._slots(table[None], ctx))  # (1, ctx)
-            q_pos = positions[:, start : start + n]  # (1, n)
-            k_pos = torch.arange(ctx, device=self.device)[None]  # (1, ctx)
-            for w in self.windows:
-                self._masks[(i, w)] = causal_mask(q_pos, k_pos, w)  # (1, 1, n, ctx)
+        # A prefill's n tokens are the last of its sequence's ctx (positions ctx - n .. ctx - 1), as
+        # `prompt_attention` takes them; these are the slots of all ctx, (1, ctx) each.
+        self._prefill_slots = [self._slots(table[None], ctx) for *_, table, ctx in b.prefills]
 
     def attend(
         self,
@@ -150,6 +146,6 @@ class PagedKVCache:
             qp = q[:, start : start + n].transpose(1, 2)  # (1, H, n, D)
             kp = k_pool[self._prefill_slots[i]].transpose(1, 2)  # (1, K, ctx, D)
             vp = v_pool[self._prefill_slots[i]].transpose(1, 2)
-            op = sdpa_attention(qp, kp, vp, self._masks[(i, window)], scale=scale, softcap=softcap)
+            op = prompt_attention(qp, kp, vp, window=window, scale=scale, softcap=softcap)
             out[start : start + n] = op[0].transpose(0, 1)
         return out[None]

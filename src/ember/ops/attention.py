@@ -2,7 +2,7 @@
 
 `sdpa_attention` is the reference every faster backend is tested against: PyTorch's scaled_dot_product_attention
 with a boolean mask, or an explicit softmax when the family soft-caps attention logits (Gemma 2), which SDPA
-cannot express.
+cannot express. `prompt_attention` runs a prompt's queries through it over only the keys they can see.
 """
 
 from __future__ import annotations
@@ -40,6 +40,70 @@ def sdpa_attention(
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return probs @ v
+
+
+# A prompt's query rows a call where a sliding window shorter than the prompt gives each chunk a band of keys.
+PROMPT_CHUNK = 256
+
+
+def prompt_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window: int | None,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """A prompt's (or a prompt chunk's) queries over its sequence: q (B, H, T, D) at positions S - T .. S - 1,
+    k and v (B, K, S, D) at positions 0 .. S - 1 -> (B, H, T, D), causal and, for a sliding-window layer,
+    within `window`.
+
+    A prompt from position 0 that no window cuts is one causal call (SDPA skips the blocks above the
+    diagonal). Otherwise SDPA reads a mask and computes every query against every key it is given, seen or
+    not: so a call gets only the keys from the first one its queries can see, and where a sliding window is
+    shorter than the prompt, an eager call takes the queries PROMPT_CHUNK rows at a time, each chunk over its
+    own band of keys. On 2 CPU cores, a Gemma 3 270M local layer (window 512) over 1800 prompt tokens: 77-82 ms
+    with the whole mask, 32-38 ms in chunks. (Chunks of a causal prompt after a prefix ran slower than one call
+    with its mask there, 18.3 against 13.0 ms for SmolLM2's 512 rows after 1024: no chunks without a window.)"""
+    T, S = q.shape[2], k.shape[2]
+    start = S - T
+    if start == 0 and (window is None or window >= S):
+        return sdpa_attention(q, k, v, None, scale=scale, softcap=softcap)
+    if torch.compiler.is_compiling():  # one graph for any length: the whole mask
+        return _band_attention(q, k, v, start, 0, window, scale, softcap)
+    if window is None or window >= T or T <= PROMPT_CHUNK:
+        lo = _first_seen(start, window)
+        return _band_attention(q, k[:, :, lo:], v[:, :, lo:], start, lo, window, scale, softcap)
+    out = torch.empty_like(q)
+    for a in range(0, T, PROMPT_CHUNK):
+        b = min(T, a + PROMPT_CHUNK)
+        lo, hi = _first_seen(start + a, window), start + b
+        part = _band_attention(
+            q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], start + a, lo, window, scale, softcap
+        )
+        out[:, :, a:b] = part
+    return out
+
+
+def _first_seen(position: int, window: int | None) -> int:
+    """The first key a query at `position` sees."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
+def _band_attention(q, k, v, q_first, k_first, window, scale, softcap) -> torch.Tensor:
+    """q's rows at positions q_first.., k and v's at k_first..; the mask made for what they are."""
+    T, S = q.shape[2], k.shape[2]
+    if torch.compiler.is_compiling():  # positions as tensors: no guard on the lengths
+        q_pos = torch.arange(q_first, q_first + T, device=q.device)[None]
+        k_pos = torch.arange(k_first, k_first + S, device=q.device)[None]
+        mask = causal_mask(q_pos, k_pos, window)
+    else:  # row i sees key j where j <= i + offset (and j > i + offset - window): ~20x faster to make
+        offset = q_first - k_first
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril_(offset)
+        if window is not None:
+            mask.triu_(offset - window + 1)
+    return sdpa_attention(q, k, v, mask, scale=scale, softcap=softcap)
 
 
 def causal_mask(

@@ -1,0 +1,63 @@
+"""`prompt_attention` against the whole mask: a prompt's queries over the keys they can see, in chunks or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ember.ops import attention
+from ember.ops.attention import causal_mask, prompt_attention, sdpa_attention
+
+
+def whole_mask_attention(q, k, v, window, scale, softcap):
+    T, S = q.shape[2], k.shape[2]
+    positions = torch.arange(S, device=q.device)[None]
+    mask = causal_mask(positions[:, S - T :], positions, window)  # (1, 1, T, S)
+    return sdpa_attention(q, k, v, mask, scale=scale, softcap=softcap)
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize("chunk", [16, attention.PROMPT_CHUNK])
+@pytest.mark.parametrize("softcap", [None, 20.0])
+@pytest.mark.parametrize(
+    "T,S,window",
+    [
+        (70, 70, None),  # from position 0, causal: one call
+        (70, 70, 70),  # a window that hides nothing
+        (70, 70, 9),  # a window that cuts the prompt: a band of keys
+        (70, 70, 69),  # the window's edge
+        (21, 90, None),  # after a cached prefix
+        (21, 90, 30),  # after a prefix, and the window starts inside it
+        (5, 90, 4),  # fewer queries than the window
+        (300, 300, 40),  # chunks of the real size too
+    ],
+)
+def test_a_prompt_sees_what_the_whole_mask_shows(monkeypatch, device, chunk, softcap, T, S, window):
+    monkeypatch.setattr(attention, "PROMPT_CHUNK", chunk)
+    torch.manual_seed(T + S)
+    B, H, K, D = 2, 6, 2, 32
+    q = torch.randn(B, H, T, D, device=device)
+    k, v = torch.randn(B, K, S, D, device=device), torch.randn(B, K, S, D, device=device)
+    got = prompt_attention(q, k, v, window=window, scale=D**-0.5, softcap=softcap)
+    want = whole_mask_attention(q, k, v, window, D**-0.5, softcap)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_chunks_read_only_the_keys_their_queries_see(monkeypatch):
+    """The work a window saves: each chunk of queries is handed only the keys from the first one it sees."""
+    monkeypatch.setattr(attention, "PROMPT_CHUNK", 8)
+    seen: list[int] = []
+    real = attention.sdpa_attention
+
+    def counting(q, k, v, mask, **kw):
+        seen.append(k.shape[2])
+        return real(q, k, v, mask, **kw)
+
+    monkeypatch.setattr(attention, "sdpa_attention", counting)
+    q, k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    prompt_attention(q, k, v, window=4, scale=0.25)
+    # chunk [a, a + 8) sees keys from a - 3 to a + 7: 11 keys (8 for the first)
+    assert seen == [8, 11, 11, 11, 11]
