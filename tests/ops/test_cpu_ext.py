@@ -451,6 +451,29 @@ def test_float_kernels_take_x_as_three_int8_parts(ops, monkeypatch, kind, block,
     assert ((coarse - want).abs() > 10 * bound).any()
 
 
+@pytest.mark.parametrize(
+    "kind,block,with_mins", [("int5", 32, True), ("int5", 16, False), ("int6", 16, True), ("int6", 32, False)]
+)
+def test_many_rows_meet_the_codes_as_floats_with_the_same_bits(ops, kind, block, with_mins):
+    """From 32 rows the 5- and 6-bit float kernels turn each tile's codes into floats once, for all the runs of
+    rows that meet it, where fewer rows turn them again for each run: the same sums, bit for bit (rows in calls
+    of 8 against one call of 40, then 75), and the float linear's values."""
+    if "amx" in ops.simd():
+        pytest.skip("from 16 rows the tile unit takes them here (the other builds run this)")
+    g = torch.Generator().manual_seed(block + 7 * with_mins)
+    N, K = 48, 512
+    codes, scales, mins, operands, factors = float_kernel_operands(kind, block, with_mins, N, K, g)
+    op = getattr(ops, f"{kind}_gemv_f32")
+    for rows in (40, 75):
+        x = activations(rows, K)
+        got = op(x, *operands, *factors)
+        in_runs = torch.cat([op(x[i : i + 8].contiguous(), *operands, *factors) for i in range(0, rows, 8)])
+        if rows % 8 > 2:  # (a last call of 1 or 2 rows takes x in int8 parts instead: other sums)
+            assert torch.equal(got, in_runs)
+        want = cpu_ext.int8_f32_reference(x, codes.to(torch.int8), scales, mins)
+        assert (got - want).abs().max() <= 2e-6 * want.abs().max()
+
+
 def amx_builds() -> tuple:
     """The native build and one without AMX, for CPUs whose kernels run on the tile unit (else a skip)."""
     if not cpu_ext.available() or not cpu_ext.amx_bf16():

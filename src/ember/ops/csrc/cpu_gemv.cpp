@@ -82,6 +82,9 @@ constexpr int kBlock = 32;  // k of an activation block
 #endif
 #endif
 constexpr int kMaxRows = EMBER_MAX_ROWS;
+// Rows from which the 5- and 6-bit float kernels turn every tile's codes into floats once, rather than for each
+// run of kMaxRows rows (FloatCodes).
+constexpr int64_t kFloatCodeRows = 32;
 // Bytes ahead of a tile's codes the float kernels ask of the cache (EMBER_CPU_PREFETCH, read once; 0: none).
 const int64_t kPrefetch = [] {
   const char* env = std::getenv("EMBER_CPU_PREFETCH");
@@ -922,17 +925,60 @@ inline F16x high_float(const Q& q, int j, int half) {
     return hex_float(q, j, half);
 }
 
-// R float activation rows against one tile of 5-bit codes (kBits 5: 0..31) or signed 6-bit ones (kBits 6:
-// -32..31, two's complement in 6 bits): their low nibbles in int4_tiles' layout (256 bytes a block of 32 k; run i
-// byte j of a row: k = 4i + j low, 16 + 4i + j high) and their fifth bits (`high`, 64 bytes a block: each row's
-// 32 as one int32, k = 4i + j at bit 8j + i and 16 + 4i + j at bit 8j + 4 + i, so that one shift a run puts them
-// beside their nibbles: quint_run), with 6 bits the sixth bits after them laid out alike (128 bytes a block:
-// hex_run); a float32 scale and (or null) min a block of 16 or 32 k as int8_tile_f32 takes them.
-template <int R, int kBits, typename F>
-void high_bits_tile_f32(const uint8_t* w, const uint8_t* high, F scales, F mins, const float* x, const float* xs, int64_t K,
-                   int64_t block, float* out, int64_t N) {
-  static_assert(kBits == 5 || kBits == 6);
-  constexpr int kHigh = 64 * (kBits - 4);  // bytes of high bits a block
+// A tile of 5-bit codes (kBits 5: 0..31) or signed 6-bit ones (kBits 6: -32..31, two's complement in 6 bits):
+// their low nibbles in int4_tiles' layout (256 bytes a block of 32 k; run i byte j of a row: k = 4i + j low,
+// 16 + 4i + j high) and their fifth bits (`high`, 64 bytes a block: each row's 32 as one int32, k = 4i + j at bit
+// 8j + i and 16 + 4i + j at bit 8j + 4 + i, so that one shift a run puts them beside their nibbles: quint_run),
+// with 6 bits the sixth bits after them laid out alike (128 bytes a block: hex_run). run(b, i).at(j, h) is the
+// float of k = 4i + j (h 0) or 16 + 4i + j (h 1) of block b, for the tile's 16 rows.
+template <int kBits>
+struct PackedCodes {
+  static constexpr int kHigh = 64 * (kBits - 4);  // bytes of high bits a block
+  const uint8_t* w;
+  const uint8_t* high;
+  template <typename Q>
+  struct Run {
+    Q q;
+    F16x at(int j, int h) const { return high_float<kBits>(q, j, h); }
+  };
+  void prefetch(int64_t b) const {
+    prefetch_ahead(w + b * 256, 4);
+    prefetch_ahead(high + b * kHigh, kBits - 4);
+  }
+  auto run(int64_t b, int i) const {
+    const uint8_t* h = high + b * kHigh;
+    const auto q = high_run<kBits>(load64(w + b * 256 + 64 * i), load64(h), load64(h + kHigh - 64), i);
+    return Run<decltype(q)>{q};
+  }
+};
+
+// The same codes as floats, written once by `float_codes` (32 x 16 floats a block, in run(b, i).at(j, h)'s
+// order): a prefill's runs of rows then load each code where the packed form turned bits into it for every run.
+struct FloatCodes {
+  const float* codes;
+  struct Run {
+    const float* p;
+    F16x at(int j, int h) const { return load_float(p + (2 * j + h) * kTile); }
+  };
+  void prefetch(int64_t) const {}
+  Run run(int64_t b, int i) const { return {codes + (4 * b + i) * 8 * kTile}; }
+};
+
+template <int kBits>
+void float_codes(PackedCodes<kBits> packed, int64_t blocks, float* codes) {
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int i = 0; i < 4; ++i) {
+      const auto run = packed.run(b, i);
+      for (int j = 0; j < 4; ++j)
+        for (int h = 0; h < 2; ++h) store(codes + ((4 * b + i) * 8 + 2 * j + h) * kTile, run.at(j, h));
+    }
+}
+
+// R float activation rows against one tile of codes (PackedCodes or FloatCodes); a float32 scale and (or null)
+// min a block of 16 or 32 k as int8_tile_f32 takes them.
+template <int R, typename Codes, typename F>
+void high_bits_tile_f32(Codes codes, F scales, F mins, const float* x, const float* xs, int64_t K, int64_t block,
+                        float* out, int64_t N) {
   constexpr int C = R >= 2 ? 1 : 2;
   const int64_t B = K / block;
   F16x acc[R];
@@ -942,13 +988,11 @@ void high_bits_tile_f32(const uint8_t* w, const uint8_t* high, F scales, F mins,
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h)
         for (int c = 0; c < C; ++c) part[r][h][c] = fzero();
-    prefetch_ahead(w + b * 256, 4);
-    prefetch_ahead(high + b * kHigh, kBits - 4);
-    const auto hv = load64(high + b * kHigh), h6 = load64(high + b * kHigh + kHigh - 64);
+    codes.prefetch(b);
     for (int i = 0; i < 4; ++i) {
-      const auto q = high_run<kBits>(load64(w + b * 256 + 64 * i), hv, h6, i);
+      const auto q = codes.run(b, i);
       for (int j = 0; j < 4; ++j) {  // k = 4i + j and 16 + 4i + j
-        const F16x ql = high_float<kBits>(q, j, 0), qh = high_float<kBits>(q, j, 1);
+        const F16x ql = q.at(j, 0), qh = q.at(j, 1);
         for (int r = 0; r < R; ++r) {
           const float* xb = x + r * K + b * kBlock + 4 * i + j;
           part[r][0][j % C] = fma(ql, fset(xb[0]), part[r][0][j % C]);
@@ -1588,10 +1632,28 @@ at::Tensor high_bits_gemv_f32(const at::Tensor& x, const at::Tensor& packed, con
               "high bits ", high.sizes(), " do not match ", packed.size(0), " tiles of K = ", K, " (", kBits, "-bit codes)");
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const uint8_t* hp = high.data_ptr<uint8_t>();
+  const auto tile_codes = [&](int64_t t) { return PackedCodes<kBits>{wp + t * KB * 256, hp + t * KB * kHigh}; };
+  // Many rows for the vector path: each thread turns a tile's codes into floats (its own buffer, 16 K floats,
+  // in its L2) before its first run of rows meets them, and all its runs read them.
+  int64_t vector_rows = x.size(0);
+#if defined(EMBER_AMX_BF16)
+  vector_rows -= amx_f32_row_count(vector_rows);
+#endif
+  const bool as_floats = vector_rows >= kFloatCodeRows;
+  const int threads = as_floats ? at::get_num_threads() : 0;
+  std::vector<std::vector<float>> floats(threads, std::vector<float>(kTile * K));
+  std::vector<int64_t> floats_of(threads, -1);  // the tile each thread's buffer holds
   return block_gemv(x, packed, 256, scales, block, mins, scale_units, min_units,
                     [&](auto R, int64_t t, auto s, auto mn, const float* xr, const float* xs, float* o) {
-                      high_bits_tile_f32<decltype(R)::value, kBits>(wp + t * KB * 256, hp + t * KB * kHigh, s, mn,
-                                                                    xr, xs, K, block, o, N);
+                      constexpr int kR = decltype(R)::value;
+                      if (!as_floats) return high_bits_tile_f32<kR>(tile_codes(t), s, mn, xr, xs, K, block, o, N);
+                      const int thread = at::get_thread_num();
+                      float* codes = floats[thread].data();
+                      if (floats_of[thread] != t) {
+                        float_codes(tile_codes(t), KB, codes);
+                        floats_of[thread] = t;
+                      }
+                      high_bits_tile_f32<kR>(FloatCodes{codes}, s, mn, xr, xs, K, block, o, N);
                     },
                     [&](int64_t t, int64_t b0, int64_t b1, uint8_t* rows) {
 #if defined(EMBER_AMX_BF16)
