@@ -62,27 +62,49 @@ def prompt_attention(
     A prompt from position 0 that no window cuts is one causal call (SDPA skips the blocks above the
     diagonal). Otherwise SDPA reads a mask and computes every query against every key it is given, seen or
     not: so a call gets only the keys from the first one its queries can see, and where a sliding window is
-    shorter than the prompt, an eager call takes the queries PROMPT_CHUNK rows at a time, each chunk over its
-    own band of keys. On 2 CPU cores, a Gemma 3 270M local layer (window 512) over 1800 prompt tokens: 77-82 ms
-    with the whole mask, 32-38 ms in chunks. (Chunks of a causal prompt after a prefix ran slower than one call
-    with its mask there, 18.3 against 13.0 ms for SmolLM2's 512 rows after 1024: no chunks without a window.)"""
+    shorter than the prompt, the queries go PROMPT_CHUNK rows at a time, each chunk over its own band of keys
+    (in a compiled graph, as one op: `windowed_prompt_attention`). On 2 CPU cores, a Gemma 3 270M local layer
+    (window 512) over 1800 prompt tokens: 77-82 ms with the whole mask, 32-38 ms in chunks. (Chunks of a causal
+    prompt after a prefix ran slower than one call with its mask there, 18.3 against 13.0 ms for SmolLM2's 512
+    rows after 1024: no chunks without a window.)"""
     T, S = q.shape[2], k.shape[2]
     start = S - T
     if start == 0 and (window is None or window >= S):
         return sdpa_attention(q, k, v, None, scale=scale, softcap=softcap)
+    if window is not None and window < T and T > PROMPT_CHUNK:
+        if torch.compiler.is_compiling():
+            return windowed_prompt_attention(q, k, v, window, scale, softcap)
+        return _in_chunks(q, k, v, window, scale, softcap)
     if torch.compiler.is_compiling():  # one graph for any length: the whole mask
         return _band_attention(q, k, v, start, 0, window, scale, softcap)
-    if window is None or window >= T or T <= PROMPT_CHUNK:
-        lo = _first_seen(start, window)
-        return _band_attention(q, k[:, :, lo:], v[:, :, lo:], start, lo, window, scale, softcap)
-    out = torch.empty_like(q)
+    lo = _first_seen(start, window)
+    return _band_attention(q, k[:, :, lo:], v[:, :, lo:], start, lo, window, scale, softcap)
+
+
+@torch.library.custom_op("ember::windowed_prompt_attention", mutates_args=())
+def windowed_prompt_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """`prompt_attention` in chunks, as one op of a compiled graph (whose shapes, dynamic, it cannot loop over)."""
+    return _in_chunks(q, k, v, window, scale, softcap)
+
+
+@windowed_prompt_attention.register_fake
+def _(q, k, v, window, scale, softcap):
+    return q.new_empty(q.shape)
+
+
+def _in_chunks(q, k, v, window: int, scale: float, softcap: float | None) -> torch.Tensor:
+    """PROMPT_CHUNK query rows a call, each over its band of keys -> (B, H, T, D), contiguous."""
+    T, S = q.shape[2], k.shape[2]
+    start = S - T
+    out = q.new_empty(q.shape)
     for a in range(0, T, PROMPT_CHUNK):
         b = min(T, a + PROMPT_CHUNK)
         lo, hi = _first_seen(start + a, window), start + b
-        part = _band_attention(
+        out[:, :, a:b] = _band_attention(
             q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], start + a, lo, window, scale, softcap
         )
-        out[:, :, a:b] = part
     return out
 
 
