@@ -63,7 +63,8 @@ def test_chunks_read_only_the_keys_their_queries_see(monkeypatch):
     assert seen == [8, 11, 11, 11, 11]
 
 
-def test_a_compiled_prompt_goes_through_its_window_in_chunks(monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_a_compiled_prompt_goes_through_its_window_in_chunks(monkeypatch, device):
     """Compiled with dynamic shapes (as `--compile-prefill` compiles a prompt), a window shorter than the prompt
     is one op of the graph that runs the chunks: the eager answer, each chunk over only its band, for two
     prompt lengths from one graph."""
@@ -81,7 +82,7 @@ def test_a_compiled_prompt_goes_through_its_window_in_chunks(monkeypatch):
         lambda q, k, v: prompt_attention(q, k, v, window=4, scale=0.25) * 2, dynamic=True, fullgraph=True
     )
     for T in (40, 43):
-        q, k, v = (torch.randn(1, 4, T, 16) for _ in range(3))
+        q, k, v = (torch.randn(1, 4, T, 16, device=device) for _ in range(3))
         seen.clear()
         got = compiled(q, k, v)
         assert seen == [min(T, a + 8) - max(0, a - 3) for a in range(0, T, 8)]  # keys a - 3 .. a + 7
