@@ -46,8 +46,9 @@ def test_a_prompt_sees_what_the_whole_mask_shows(monkeypatch, device, chunk, sof
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_chunks_read_only_the_keys_their_queries_see(monkeypatch):
-    """The work a window saves: each chunk of queries is handed only the keys from the first one it sees."""
+@pytest.fixture
+def keys_seen(monkeypatch) -> list[int]:
+    """Chunks of 8 query rows, and the number of keys each SDPA call of `prompt_attention` is handed."""
     monkeypatch.setattr(attention, "PROMPT_CHUNK", 8)
     seen: list[int] = []
     real = attention.sdpa_attention
@@ -57,35 +58,31 @@ def test_chunks_read_only_the_keys_their_queries_see(monkeypatch):
         return real(q, k, v, mask, **kw)
 
     monkeypatch.setattr(attention, "sdpa_attention", counting)
+    return seen
+
+
+def test_chunks_read_only_the_keys_their_queries_see(keys_seen):
+    """The work a window saves: each chunk of queries is handed only the keys from the first one it sees."""
     q, k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
     prompt_attention(q, k, v, window=4, scale=0.25)
     # chunk [a, a + 8) sees keys from a - 3 to a + 7: 11 keys (8 for the first)
-    assert seen == [8, 11, 11, 11, 11]
+    assert keys_seen == [8, 11, 11, 11, 11]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
-def test_a_compiled_prompt_goes_through_its_window_in_chunks(monkeypatch, device):
+def test_a_compiled_prompt_goes_through_its_window_in_chunks(keys_seen, device):
     """Compiled with dynamic shapes (as `--compile-prefill` compiles a prompt), a window shorter than the prompt
     is one op of the graph that runs the chunks: the eager answer, each chunk over only its band, for two
     prompt lengths from one graph."""
-    monkeypatch.setattr(attention, "PROMPT_CHUNK", 8)
-    seen: list[int] = []
-    real = attention.sdpa_attention
-
-    def counting(q, k, v, mask, **kw):
-        seen.append(k.shape[2])
-        return real(q, k, v, mask, **kw)
-
-    monkeypatch.setattr(attention, "sdpa_attention", counting)
     torch._dynamo.reset()
     compiled = torch.compile(
         lambda q, k, v: prompt_attention(q, k, v, window=4, scale=0.25) * 2, dynamic=True, fullgraph=True
     )
     for T in (40, 43):
         q, k, v = (torch.randn(1, 4, T, 16, device=device) for _ in range(3))
-        seen.clear()
+        keys_seen.clear()
         got = compiled(q, k, v)
-        assert seen == [min(T, a + 8) - max(0, a - 3) for a in range(0, T, 8)]  # keys a - 3 .. a + 7
+        assert keys_seen == [min(T, a + 8) - max(0, a - 3) for a in range(0, T, 8)]  # keys a - 3 .. a + 7
         torch.testing.assert_close(
             got, 2 * whole_mask_attention(q, k, v, 4, 0.25, None), rtol=1e-5, atol=1e-5
         )
