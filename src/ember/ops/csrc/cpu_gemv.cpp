@@ -1632,17 +1632,18 @@ class TileFloats {
     buffers_.assign(at::get_num_threads(), std::vector<float>(kTile * K));
     tile_of_.assign(buffers_.size(), -1);
   }
-  bool on() const { return !buffers_.empty(); }
-  // Tile t's codes as floats, from their packed form.
+  // Tile t's codes as floats, from their packed form; null when off, or on a thread without a buffer (a call
+  // from inside another parallel region runs on its caller's thread, whose number may be past them).
   template <int kBits>
-  FloatCodes of(int64_t t, PackedCodes<kBits> packed) {
+  const float* of(int64_t t, PackedCodes<kBits> packed) {
     const int thread = at::get_thread_num();
+    if (thread < 0 || thread >= static_cast<int>(buffers_.size())) return nullptr;
     float* codes = buffers_[thread].data();
     if (tile_of_[thread] != t) {
       float_codes(packed, K_ / kBlock, codes);
       tile_of_[thread] = t;
     }
-    return {codes};
+    return codes;
   }
 
  private:
@@ -1670,8 +1671,8 @@ at::Tensor high_bits_gemv_f32(const at::Tensor& x, const at::Tensor& packed, con
   return block_gemv(x, packed, 256, scales, block, mins, scale_units, min_units,
                     [&](auto R, int64_t t, auto s, auto mn, const float* xr, const float* xs, float* o) {
                       constexpr int kR = decltype(R)::value;
-                      if (floats.on())
-                        high_bits_tile_f32<kR>(floats.of(t, tile_codes(t)), s, mn, xr, xs, K, block, o, N);
+                      if (const float* codes = floats.of(t, tile_codes(t)))
+                        high_bits_tile_f32<kR>(FloatCodes{codes}, s, mn, xr, xs, K, block, o, N);
                       else
                         high_bits_tile_f32<kR>(tile_codes(t), s, mn, xr, xs, K, block, o, N);
                     },
