@@ -55,6 +55,14 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def float_fmas(monkeypatch):
+    """Kept GGUF codes compute a prefill's rows in float FMAs (EMBER_CPU_WIDE=0) where AVX512-VNNI would take
+    them as int16 codes (2^-16 of each block's largest |x|; tests/ops/test_cpu_ext.py holds that rounding to
+    its twin): for tests of the float model's values to float32's precision."""
+    monkeypatch.setenv("EMBER_CPU_WIDE", "0")
+
+
 def make_tiny_llama_dir(path: Path, tokenizer_dir: Path, arch: str = "Llama", **overrides) -> Path:
     """A tiny random Llama (or another transformers `arch`: "Phi3", ...) with the SmolLM2 tokenizer: a complete
     HF directory that `ember.LLM` can load."""

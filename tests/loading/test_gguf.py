@@ -808,7 +808,7 @@ def test_the_gguf_scheme_on_every_family(tmp_path, arch):
     assert 0 < err["gguf"] <= 1.5 * err["int8"], err
 
 
-def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_values(tmp_path):
+def test_a_float_load_can_keep_the_files_4bit_projections_with_the_float_models_values(tmp_path, float_fmas):
     """build_model(keep_codes=True), as a float32 CPU load of a GGUF file does (`keeps_codes`): projections whose
     tensors are all 4-bit are the file's int4 codes computed with float activations, the output projection
     the tied embedding's Q8_0 blocks (`Int8BlockLinear`; the embedding stays float for its lookups); gate/up,
@@ -896,7 +896,7 @@ def test_the_default_model_keeps_its_q4_1_projections_on_a_cpu(smollm2_gguf):
     assert load(str(smollm2_gguf), device="cpu", dtype="bfloat16", progress=False).kept_codes == 0
 
 
-def test_a_joined_projection_is_its_parts_side_by_side():
+def test_a_joined_projection_is_its_parts_side_by_side(float_fmas):
     """`JoinedLinear` (a fused projection's parts of different kinds, each its own kernel): its outputs are the
     float linear's on its parts' weights with its bias, to float32 rounding; its bytes are its parts' (counted
     once by the bench), and a scheme asked of a model holding it quantizes the weights it stands for."""
@@ -1007,7 +1007,7 @@ def test_int8_blocks_are_the_files_weights(qtype):
 
 
 @pytest.mark.parametrize("head", [QT.Q4_0, QT.Q8_0, QT.Q6_K, QT.Q5_K, QT.F16], ids=lambda q: q.name)
-def test_an_untied_output_projection_keeps_its_own_codes(tmp_path, head):
+def test_an_untied_output_projection_keeps_its_own_codes(tmp_path, head, float_fmas):
     """An output projection of its own (output.weight) is kept like a projection: Q4_0 as int4 groups, Q8_0,
     Q6_K and Q5_K as int8 blocks (of 32, of 16, of 32 with mins), F16 float; the logits are the dequantized
     model's."""
@@ -1033,7 +1033,7 @@ def test_an_untied_output_projection_keeps_its_own_codes(tmp_path, head):
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
-def test_a_float_load_keeps_every_k_type_and_their_mixes_as_int8_blocks(tmp_path):
+def test_a_float_load_keeps_every_k_type_and_their_mixes_as_int8_blocks(tmp_path, float_fmas):
     """K-quant files mix types within a fused projection (a Q3_K_M file's q is Q3_K, its v Q5_K, ...). Parts
     whose codes fit the same bits are one `Int8BlockLinear` (gate/up of Q2_K and Q5_1: blocks of 16, 5 bits a
     weight); parts of different bits run one module a kind, side by side (`JoinedLinear`: q/k/v of Q5_K, Q6_K

@@ -68,7 +68,7 @@ def test_int4_gemv_is_its_twin(ops, group_size, rows):
 
 @pytest.mark.parametrize("group_size", [32, 64, 128, 256])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 37])
-def test_int4_gemv_f32_is_the_float_linear_on_the_dequantized_weights(ops, group_size, rows):
+def test_int4_gemv_f32_is_the_float_linear_on_the_dequantized_weights(ops, float_fmas, group_size, rows):
     """Float activations as they are, float32 scales and mins (not rounded to float16: a GGUF Q4_K's factors
     need more bits): the float64 linear on q * scale + min but for float32 sums. Every row count a tile meets
     (1-8 at once; the per-row chains of 1-3 rows), a remainder, and a prefill's many."""
@@ -89,7 +89,7 @@ def test_int4_gemv_f32_is_the_float_linear_on_the_dequantized_weights(ops, group
 @pytest.mark.parametrize("with_mins", [False, True], ids=["scales", "mins"])
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 37])
-def test_int8_gemv_f32_is_the_float_linear_on_the_blocks_weights(ops, rows, block, with_mins):
+def test_int8_gemv_f32_is_the_float_linear_on_the_blocks_weights(ops, float_fmas, rows, block, with_mins):
     """int8 codes (-128..127: the layout's +128 taken off) times a float32 scale a block of 16 or 32 k, plus
     with mins a float32 min, float activations as they are: the float64 linear on q * scale (+ min) but for
     float32 sums."""
@@ -232,7 +232,7 @@ def test_tile_rows_of_int4_groups_are_the_rows_of_the_dequantized_weight(ops, gr
 @pytest.mark.parametrize("with_mins", [False, True], ids=["scales", "mins"])
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("rows", [1, 2, 3, 9])
-def test_int6_gemv_f32_is_the_float_linear_on_the_6bit_weights(ops, rows, block, with_mins):
+def test_int6_gemv_f32_is_the_float_linear_on_the_6bit_weights(ops, float_fmas, rows, block, with_mins):
     """Signed 6-bit codes (-32..31: Q6_K's) as low nibbles and two planes of high bits, a float32 scale (and min)
     a block of 16 or 32 k: the float64 linear on q * scale (+ min) but for float32 sums; the tiles give the codes
     back, and each code's fifth and sixth (sign) bits count."""
@@ -366,7 +366,7 @@ def test_coded_factors_compute_what_float_factors_do(ops, rows, block, with_mins
 @pytest.mark.parametrize("with_mins", [False, True], ids=["scales", "mins"])
 @pytest.mark.parametrize("block", [16, 32])
 @pytest.mark.parametrize("rows", [1, 2, 3, 9])
-def test_int5_gemv_f32_is_the_float_linear_on_the_5bit_weights(ops, rows, block, with_mins):
+def test_int5_gemv_f32_is_the_float_linear_on_the_5bit_weights(ops, float_fmas, rows, block, with_mins):
     """5-bit codes (0..31) as low nibbles and a plane of fifth bits, a float32 scale (and min) a block of 16 or
     32 k: the float64 linear on q * scale (+ min) but for float32 sums; each code's fifth bit counts (the same
     codes with it cleared are far off)."""
@@ -454,7 +454,7 @@ def test_float_kernels_take_x_as_three_int8_parts(ops, monkeypatch, kind, block,
 @pytest.mark.parametrize(
     "kind,block,with_mins", [("int5", 32, True), ("int5", 16, False), ("int6", 16, True), ("int6", 32, False)]
 )
-def test_many_rows_meet_the_codes_as_floats_with_the_same_bits(ops, kind, block, with_mins):
+def test_many_rows_meet_the_codes_as_floats_with_the_same_bits(ops, float_fmas, kind, block, with_mins):
     """From 32 rows the 5- and 6-bit float kernels turn each tile's codes into floats once, for all the runs of
     rows that meet it, where fewer rows turn them again for each run: the same sums, bit for bit (rows in calls
     of 8 against one call of 40, then 75), and the float linear's values."""
@@ -472,6 +472,52 @@ def test_many_rows_meet_the_codes_as_floats_with_the_same_bits(ops, kind, block,
             assert torch.equal(got, in_runs)
         want = cpu_ext.int8_f32_reference(x, codes.to(torch.int8), scales, mins)
         assert (got - want).abs().max() <= 2e-6 * want.abs().max()
+
+
+@pytest.mark.parametrize(
+    "kind,block,with_mins",
+    [("int4", 32, True), ("int4", 128, True), ("int5", 32, True), ("int5", 16, False), ("int6", 16, True),
+     ("int6", 32, False), ("int8", 32, False), ("int8", 16, True)],
+)  # fmt: skip
+@pytest.mark.parametrize("rows", [4, 9, 40])
+def test_a_prefills_rows_take_x_as_int16_codes(ops, monkeypatch, kind, block, with_mins, rows):
+    """From 4 rows (AVX512-VNNI, the rows the tile unit leaves) each block of 32 activations is one int16 code of
+    its scale, multiplied by the codes in integer dot products: the float64 linear on x rounded so
+    (`int16_blocks_reference`; the min term from x as it is) but for float32 sums, so within 2^-16 of each
+    block's largest |x| of the float linear, beside an outlier 10^4 times its block; not the FMA path's bits."""
+    if not ops.simd().startswith("avx512-vnni"):
+        pytest.skip("only the AVX512-VNNI build takes x as int16 codes")
+    monkeypatch.setenv("EMBER_CPU_AMX_F32", "0")  # every row on the vector path
+    g = torch.Generator().manual_seed(rows + block)
+    N, K = 48, 512
+    x = activations(rows, K)
+    x[:, 64] = 1e4  # a block whose other 31 values are 10^4 times smaller
+    codes, scales, mins, operands, factors = float_kernel_operands(kind, block, with_mins, N, K, g)
+    op = getattr(ops, f"{kind}_gemv_f32")
+    got = op(x, *operands, *factors)
+
+    def linear(x: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
+        return cpu_ext.int8_f32_reference(x.double(), codes.to(torch.int8), scales.double(),
+                                          None if mins is None else mins.double())  # fmt: skip
+
+    rounded = linear(cpu_ext.int16_blocks_reference(x), None)
+    if mins is not None:  # sum_k x over each block of the mins, x as it is
+        rounded += x.double().reshape(rows, -1, block).sum(-1) @ mins.double().T
+    assert (got - rounded).abs().max() <= 2e-6 * rounded.abs().max()
+    want = linear(x, mins)
+    block_max = (
+        x.abs().reshape(rows, -1, 32).amax(-1, keepdim=True).expand(rows, K // 32, 32).reshape(rows, K)
+    )
+    weights = linear(torch.eye(K, dtype=torch.double), mins).double()  # (K, N): the weights' transpose
+    bound = 2.0**-16 * (block_max.double() @ weights.abs())
+    assert ((got - want).abs() <= bound).all()
+    monkeypatch.setenv("EMBER_CPU_WIDE", "0")
+    on_fma = op(x, *operands, *factors)
+    assert not torch.equal(got, on_fma)
+    # int8 codes (`--quantize gguf`'s activations) would be past the bound
+    d = x.reshape(rows, -1, 32).abs().amax(-1, keepdim=True) / 127
+    coarse = linear((x.reshape(rows, -1, 32) / d).nan_to_num().round().mul(d).reshape(rows, K), mins)
+    assert ((coarse - want).abs() > bound).any()
 
 
 def amx_builds() -> tuple:

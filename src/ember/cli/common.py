@@ -97,7 +97,8 @@ def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = Fal
         help="quantize weights after loading: int8, int4 (group 128), int4-g32/g64/g256, int8-dyn (CPU), "
         "gguf (a GGUF file's own: its 4-bit tensors as int4, the rest int8), none (every weight dequantized "
         "to --dtype). Default: none, but on a CPU a GGUF file's projections in block types (Q4_0 .. Q8_0, the K "
-        "types) stay as they are, computed in float32 (the dequantized model's values, from a fraction of the bytes)",
+        "types) stay as they are, computed in float32 (the dequantized model's values, from a fraction of the bytes; "
+        "a prefill's activations as int16 codes of each block of 32 where AVX512-VNNI runs)",
     )
     parser.add_argument(
         "--quant-cache",

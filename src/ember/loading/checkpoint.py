@@ -109,7 +109,8 @@ def keeps_codes(fmt: str, quantize: str | None, device: torch.device, dtype: tor
     """Whether loading a checkpoint of format `fmt` without a scheme keeps the projections (and the output
     projection) it holds in Q4_0/Q4_1/Q4_K or Q8_0/Q5_0/Q6_K blocks as they are (`ember.loading.weights.build_model(
     keep_codes=True)`): a GGUF file, float32 on a CPU where Ember's CPU kernels run. Those projections then
-    compute the float model's values (float activations, float32 sums) from the file's 4.5-9 bits a weight
+    compute the float model's values (float activations, float32 sums; a prefill's rows, on AVX512-VNNI, as
+    int16 codes of each block of 32 activations, to 2^-16 of its largest |x|) from the file's 4.5-9 bits a weight
     instead of dequantized float32: SmolLM2-135M Q4_1 decodes ~3x faster on 2 cores, Gemma 3 270M Q4_K_M ~2x
     (BENCHMARKS.md). quantize="none" dequantizes everything, as elsewhere."""
     if fmt != "gguf" or quantize is not None or device.type != "cpu" or dtype != torch.float32:

@@ -10,7 +10,10 @@
   rows (a decode step's) on AVX512-VNNI, AVX-VNNI or AVX2 take x as three int8 parts of each block of 32's scale
   (held to 2^-24 of the block's largest |x|) in integer dot products (EMBER_CPU_SPLIT=0: float FMAs); from 16
   rows on AMX-BF16, as three bf16 parts on the tile unit (exact products, float32 sums; EMBER_CPU_AMX_F32=0:
-  the vector path);
+  the vector path); the rows the tile unit leaves, from 4 (a prefill's) on AVX512-VNNI, as one int16 code of
+  each block of 32's scale (held to 2^-16 of the block's largest |x|: 1.4-1.8x the FMAs' rate on Zen 4) against
+  the codes made int16 once a tile, in integer dot products (`int16_blocks_reference`; EMBER_CPU_WIDE=0: float
+  FMAs);
 - `int4_gemm_bf16` (`csrc/cpu_gemv.cpp`, on CPUs with AMX-BF16: Sapphire Rapids and later): a prefill's
   rows against int4 weights on the tile unit, the weights dequantized to bf16 a tile at a time and x rounded
   to bf16, float32 sums; from `AMX_BF16_ROWS` rows it takes 0.47-0.98x the time of `int4_gemv` (which itself
@@ -534,6 +537,18 @@ def int4_reference(
     """`int4_gemv` in plain torch, from the canonical operands: the activations quantized per block of 32,
     times the weights q * scale + min with scale and min rounded to float16 (the kernel's)."""
     return F.linear(quantize_blocks(x.float()), _int4_weights(qweight, scales, mins, group_size))
+
+
+def int16_blocks_reference(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) as the float kernels take a prefill's rows (from 4, on AVX512-VNNI; csrc's `wide_tile`): each
+    block of 32 one int16 code of d = max|x| / 32767, rounded half to even in float32 as the kernel rounds; the
+    values q * d in float64."""
+    M, K = x.shape
+    blocks = x.float().reshape(M, K // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(blocks * inv)
+    return (codes.double() * (amax / 32767.0).double()).reshape(M, K)
 
 
 def int4_f32_reference(

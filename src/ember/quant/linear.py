@@ -338,7 +338,8 @@ class Int4WeightOnlyLinear(QuantLinear):
         # The float linear's values on the dequantized weights (a checkpoint's own 4-bit weights kept as they
         # are, `ember.loading.weights.build_model(keep_codes=True)`): on a CPU, `cpu_ext.int4_gemv_f32`, never
         # the kernels that round the activations (to one int8 code or bf16: the float kernel's few rows take x
-        # as three int8 parts, its many as three bf16 parts, to float32's precision). Set before `prepare`.
+        # as three int8 parts, its many as three bf16 parts on AMX, to float32's precision, or elsewhere on
+        # AVX512-VNNI as one int16 code, to 2^-16 of each block of 32's largest |x|). Set before `prepare`.
         self.float_activations = False
 
     @classmethod
@@ -440,7 +441,8 @@ class Int4WeightOnlyLinear(QuantLinear):
           time of the dequantize + bf16 GEMM path below (BENCHMARKS.md).
         - "cpu_f32": with `float_activations`, on CPUs where "cpu_dot" runs and in float32, Ember's C++ kernel
           for float activations (`cpu_ext.int4_gemv_f32`): the float linear's values on the dequantized weights
-          to float32's precision (x as three int8 or bf16 parts, or as it is), from 4.5-6 bits a weight, not 32.
+          to float32's precision (x as three int8 or bf16 parts, or as it is; a prefill's rows on AVX512-VNNI as
+          int16 codes, to 2^-16 of each block's largest |x|), from 4.5-6 bits a weight, not 32.
         - "tinygemm": torch's int4 kernels (`_weight_int4pack_mm*`, `tinygemm_layout`), on other CPUs where N is
           a multiple of 16 (the CPU packing's rows), and on CUDA for bf16 projections that do not tile.
         - "triton": Ember's canonical-layout GEMV for the rest (on CPU: dequantize and matmul).

@@ -32,7 +32,8 @@
 //
 // The float kernels' one or two rows (decode steps) on AVX512-VNNI, AVX-VNNI or AVX2: x as three int8 parts of a
 // block's scale against the codes in integer dot products (split_tile), in place of a float conversion and an
-// FMA a weight.
+// FMA a weight. Their rows from kWideRows (a prefill's) on AVX512-VNNI, those the tile unit leaves: x as one int16
+// code of a block's scale against the codes made int16 pairs once a tile (wide_tile).
 //
 // Shape legend: M rows of activations, K input features, N output features.
 
@@ -1482,10 +1483,140 @@ void over_split_rows(const float* x, int64_t M, int64_t K, int64_t tiles, const 
 }
 #endif
 
+// ---- a prefill's rows as one int16 code a weight (AVX512-VNNI) -------------------------------------------
+//
+// From kWideRows rows the float kernels' FMAs (16 products an instruction, on float codes) bound a prefill. Here
+// each block of 32 activations is one int16 code of one scale d = max|x| / 32767 (x held to 2^-16 of the block's
+// largest |x|, where float32 holds each |x| to 2^-24 and the int8 activations of `--quantize gguf` and llama.cpp
+// to 2^-8), and each tile's codes are int16 pairs, made once a tile for all its rows: vpdpwssd takes two k of 16
+// lanes an instruction, 32 exact products summed in int32, scaled once a block in float32, the scales' and mins'
+// order the split path's. Off with EMBER_CPU_WIDE=0 (the FMA path, for comparisons).
+#if defined(EMBER_AVX512_VNNI)
+#define EMBER_WIDE 1
+
+// Rows from which the float kernels take x as int16 codes (those the tile unit leaves).
+constexpr int64_t kWideRows = 4;
+
+bool wide_on() {
+  const char* env = std::getenv("EMBER_CPU_WIDE");
+  return !(env != nullptr && std::strcmp(env, "0") == 0);
+}
+
+// Row x (K floats) -> xq (K int16), a scale a block of 32 (d), rounded half to even (the default rounding mode).
+void wide_blocks(const float* x, int64_t K, int16_t* xq, float* d) {
+  const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const __m512 t0 = _mm512_loadu_ps(x + b * kBlock), t1 = _mm512_loadu_ps(x + b * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_and_ps(t0, magnitude), _mm512_and_ps(t1, magnitude)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+    d[b] = amax / 32767.f;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * kBlock),
+                        _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(t0, inv))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b * kBlock + 16),
+                        _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(t1, inv))));
+  }
+}
+
+// A block's codes (code_words: bytes, run i's lanes k = 4i + j and 16 + 4i + j, offset by kOffset) -> 16 words of 16
+// lanes, word p holding each lane's int16 codes of k = 2p and 2p + 1 (tile words: a tile's KB * 16 words).
+template <int kBits>
+void tile_words(const uint8_t* w, const uint8_t* high, int64_t KB, __m512i* words) {
+  constexpr int16_t kOffset = kBits == 8 ? 128 : kBits == 6 ? 32 : 0;
+  // bytes 0, 1 (and 2, 3) of each lane zero-extended to its two int16s
+  const __m512i first = _mm512_set4_epi32(0x800D800C, 0x80098008, 0x80058004, 0x80018000);
+  const __m512i second = _mm512_set4_epi32(0x800F800E, 0x800B800A, 0x80078006, 0x80038002);
+  const __m512i offset = _mm512_set1_epi16(kOffset);
+  for (int64_t b = 0; b < KB; ++b) {
+    for (int i = 0; i < 4; ++i) {
+      const CodeWords c = code_words<kBits>(w, high, b, i);
+      const __m512i halves[2] = {c.lo, c.hi};
+      for (int h = 0; h < 2; ++h) {
+        __m512i* at = words + b * 16 + 8 * h + 2 * i;
+        at[0] = _mm512_sub_epi16(_mm512_shuffle_epi8(halves[h], first), offset);
+        at[1] = _mm512_sub_epi16(_mm512_shuffle_epi8(halves[h], second), offset);
+      }
+    }
+  }
+}
+
+// R rows of int16 codes (row r's at xq + r * K, its blocks' scales at d + r * KB) against one tile's words: out[r *
+// N + l] = sum over factor blocks of scale * (the block's sum of q x) + min * xs (xs + r * B); the factors as
+// split_tile takes them.
+template <int R, bool kHalves, int kStride, typename F>
+void wide_tile(const __m512i* words, F scales, F mins, const int16_t* xq, const float* d, const float* xs, int64_t K,
+               int64_t S, float* out, int64_t N) {
+  constexpr int kH = kHalves ? 2 : 1, kWords = 16 / kH;
+  const int64_t KB = K / kBlock, per = kHalves ? 1 : S / kBlock, B = kHalves ? 2 * KB : KB / per;
+  F16x acc[R], group[R];
+  for (int r = 0; r < R; ++r) acc[r] = group[r] = fzero();
+  int64_t in_group = 0;  // blocks of the factor block summed so far (a count, not b % per: no division a block)
+  for (int64_t b = 0; b < KB; ++b) {
+    for (int h = 0; h < kH; ++h) {  // a factor block of 16 k (kHalves), or all 32
+      __m512i s[R];
+      for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+      for (int p = kWords * h; p < kWords * (h + 1); ++p) {
+        const __m512i wp = _mm512_load_si512(words + b * 16 + p);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, xq + r * K + b * kBlock + 2 * p, 4);
+          s[r] = _mm512_dpwssd_epi32(s[r], wp, _mm512_set1_epi32(pair));
+        }
+      }
+      if constexpr (kHalves) {
+        const F16x scale = factor_at<kStride>(scales, 2 * b + h);
+        const F16x mn = given(mins) ? factor_at<kStride>(mins, 2 * b + h) : fzero();
+        for (int r = 0; r < R; ++r) {
+          acc[r] = fma(fmul_scalar(to_float(I16{s[r]}), d[r * KB + b]), scale, acc[r]);
+          if (given(mins)) acc[r] = fma(mn, fset(xs[r * B + 2 * b + h]), acc[r]);
+        }
+      } else {
+        for (int r = 0; r < R; ++r) group[r] = fadd(group[r], fmul_scalar(to_float(I16{s[r]}), d[r * KB + b]));
+      }
+    }
+    if constexpr (!kHalves) {
+      if (++in_group == per) {  // the end of a factor block: scale its sums, add its min term
+        in_group = 0;
+        const int64_t g = b / per;
+        const F16x scale = factor_at<kStride>(scales, g);
+        const F16x mn = given(mins) ? factor_at<kStride>(mins, g) : fzero();
+        for (int r = 0; r < R; ++r) {
+          acc[r] = fma(group[r], scale, acc[r]);
+          if (given(mins)) acc[r] = fma(mn, fset(xs[r * B + g]), acc[r]);
+          group[r] = fzero();
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) store(out + r * N, acc[r]);
+}
+
+// All M rows of x (M * K floats) as int16 codes: each thread makes a tile's words (words(t, buffer)) once, then
+// tile(R, t, first row, its codes, their scales, the words) for each run of R rows (kMaxRows at most).
+template <typename Words, typename Tile>
+void over_wide_rows(const float* x, int64_t M, int64_t K, int64_t tiles, const Words& words, const Tile& tile) {
+  const int64_t KB = K / kBlock;
+  std::vector<int16_t> q(M * K);
+  std::vector<float> d(M * KB);
+  at::parallel_for(0, M, kQuantizeRows, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) wide_blocks(x + m * K, K, &q[m * K], &d[m * KB]);
+  });
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    std::unique_ptr<__m512i[]> buffer(new __m512i[KB * 16]);
+    for (int64_t t = begin; t < end; ++t) {
+      words(t, buffer.get());
+      by_rows(M, [&](auto R, int64_t m) { tile(R, t, m, &q[m * K], &d[m * KB], buffer.get()); });
+    }
+  });
+}
+#endif
+
 // y = x @ w.T in float32 with int4 weights as they are: x not rounded, w = q * scale + min with float32 factors
 // (scale_min (N/16, K/g, 2, 16)), each group's products summed, then scaled. The float linear's values on the
 // dequantized weights to float32's precision (x as it is, or as three int8 or bf16 parts: split_tile,
-// amx_f32_rows): a GGUF file's 4-bit weights computed without a float copy of them.
+// amx_f32_rows), or a prefill's rows to 2^-16 of each block's largest |x| (int16 codes: wide_tile): a GGUF file's
+// 4-bit weights computed without a float copy of them.
 // With `units`, scale_min holds int8 codes of the factors and units (N/16, K/256, 2, 16) their float16 units
 // (`Coded`).
 at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_min,
@@ -1523,6 +1654,20 @@ at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
       return;
     }
 #endif
+#if defined(EMBER_WIDE)
+    if (wide_on() && M - first >= kWideRows) {  // a prefill's rows
+      const int64_t KB = K / kBlock;
+      over_wide_rows(
+          xp + first * K, M - first, K, tiles,
+          [&](int64_t t, __m512i* words) { tile_words<4>(wp + t * KB * 256, nullptr, KB, words); },
+          [&](auto R, int64_t t, int64_t m, const int16_t* q, const float* d, const __m512i* words) {
+            m += first;
+            wide_tile<decltype(R)::value, false, 2 * kTile>(words, sc(t), mn(t), q, d, &xs[m * G], K, group_size,
+                                                            op + m * N + t * kTile, N);
+          });
+      return;
+    }
+#endif
     over_tiles(tiles, M - first, [&](auto R, int64_t t, int64_t m) {
       m += first;
       int4_tile_f32<decltype(R)::value>(wp + t * (K / kBlock) * 256, sc(t), mn(t), xp + m * K, &xs[m * G], K,
@@ -1549,11 +1694,11 @@ at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
 // of 32 k) checked with the factors (N/16, K/block, 16) (float32, float16, or int8 codes with units: `Coded`),
 // the rows' block sums where mins are given, then for each tile t and run of R rows m: tile(R, t, its scales,
 // its mins (none without), the rows' x, their block sums or null, their out).
-template <typename Tile, typename Decode, typename Split>
+template <typename Tile, typename Decode, typename Split, typename Words>
 at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t bytes_per_block, const at::Tensor& scales,
                       int64_t block, const std::optional<at::Tensor>& mins,
                       const std::optional<at::Tensor>& scale_units, const std::optional<at::Tensor>& min_units,
-                      Tile tile, Decode decode, Split split) {
+                      Tile tile, Decode decode, Split split, Words words) {
   check_operands(x, packed, bytes_per_block);
   const int64_t M = x.size(0), K = x.size(1), tiles = packed.size(0), N = tiles * kTile;
   TORCH_CHECK(block == 16 || block == 32, "block ", block, " is not 16 or 32");
@@ -1593,6 +1738,26 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t byt
 #else
     (void)split;
 #endif
+#if defined(EMBER_WIDE)
+    if (wide_on() && M - first >= kWideRows) {  // a prefill's rows
+      const auto run_wide = [&](auto halves) {
+        over_wide_rows(xp + first * K, M - first, K, tiles, words,
+                       [&](auto R, int64_t t, int64_t m, const int16_t* q, const float* d, const __m512i* w) {
+                         m += first;
+                         wide_tile<decltype(R)::value, decltype(halves)::value, kTile>(
+                             w, sc(t), mn(t), q, d, mins ? xs.data() + m * B : nullptr, K, block,
+                             op + m * N + t * kTile, N);
+                       });
+      };
+      if (block == 16)
+        run_wide(std::true_type{});
+      else
+        run_wide(std::false_type{});
+      return;
+    }
+#else
+    (void)words;
+#endif
     over_tiles(tiles, M - first, [&](auto R, int64_t t, int64_t m) {
       m += first;
       tile(R, t, sc(t), mn(t), xp + m * K, mins ? xs.data() + m * B : nullptr, op + m * N + t * kTile);
@@ -1629,6 +1794,9 @@ class TileFloats {
     M -= amx_f32_row_count(M);
 #endif
     if (M < kFloatCodeRows) return;
+#if defined(EMBER_WIDE)
+    if (wide_on() && M >= kWideRows) return;  // the rows go as int16 codes
+#endif
     buffers_.assign(at::get_num_threads(), std::vector<float>(kTile * K));
     tile_of_.assign(buffers_.size(), -1);
   }
@@ -1687,6 +1855,11 @@ at::Tensor high_bits_gemv_f32(const at::Tensor& x, const at::Tensor& packed, con
                       split_tile<decltype(R)::value, kBits, decltype(halves)::value, kTile>(
                           wp + t * KB * 256, hp + t * KB * kHigh, s, mn, q, d, qs, xs, K, block, o, N);
 #endif
+                    },
+                    [&](int64_t t, auto* words) {
+#if defined(EMBER_WIDE)
+                      tile_words<kBits>(wp + t * KB * 256, hp + t * KB * kHigh, KB, words);
+#endif
                     });
 }
 
@@ -1727,6 +1900,11 @@ at::Tensor int8_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
 #if defined(EMBER_SPLIT)
                       split_tile<decltype(R)::value, 8, decltype(halves)::value, kTile>(
                           wp + t * KB * 512, nullptr, s, mn, q, d, qs, xs, K, block, o, N);
+#endif
+                    },
+                    [&](int64_t t, auto* words) {
+#if defined(EMBER_WIDE)
+                      tile_words<8>(wp + t * KB * 512, nullptr, KB, words);
 #endif
                     });
 }
