@@ -1541,17 +1541,20 @@ void tile_words(const uint8_t* w, const uint8_t* high, int64_t KB, __m512i* word
 
 // R rows of int16 codes (row r's at xq + r * K, its blocks' scales at d + r * KB) against one tile's words: out[r *
 // N + l] = sum over factor blocks of scale * (the block's sum of q x) + min * xs (xs + r * B); the factors as
-// split_tile takes them.
-template <int R, bool kHalves, int kStride, typename F>
+// split_tile takes them, a factor block of kFactorK k: 16 (each half of a block its own), 32, or 0: S (an int4
+// group of 64 k or more, its blocks' sums added before they are scaled).
+template <int R, int kFactorK, int kStride, typename F>
 void wide_tile(const __m512i* words, F scales, F mins, const int16_t* xq, const float* d, const float* xs, int64_t K,
                int64_t S, float* out, int64_t N) {
-  constexpr int kH = kHalves ? 2 : 1, kWords = 16 / kH;
-  const int64_t KB = K / kBlock, per = kHalves ? 1 : S / kBlock, B = kHalves ? 2 * KB : KB / per;
-  F16x acc[R], group[R];
-  for (int r = 0; r < R; ++r) acc[r] = group[r] = fzero();
-  int64_t in_group = 0;  // blocks of the factor block summed so far (a count, not b % per: no division a block)
+  constexpr int kH = kFactorK == 16 ? 2 : 1, kWords = 16 / kH;
+  constexpr bool kGroups = kFactorK == 0;
+  const int64_t KB = K / kBlock, per = kGroups ? S / kBlock : 1, B = kH * KB / per;
+  F16x acc[R], group[kGroups ? R : 1];
+  for (int r = 0; r < R; ++r) acc[r] = fzero();
+  for (auto& g : group) g = fzero();
+  int64_t in_group = 0;  // blocks of the group summed so far (a count, not b % per: no division a block)
   for (int64_t b = 0; b < KB; ++b) {
-    for (int h = 0; h < kH; ++h) {  // a factor block of 16 k (kHalves), or all 32
+    for (int h = 0; h < kH; ++h) {  // a half block (kFactorK 16), or all 32
       __m512i s[R];
       for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
 #pragma GCC unroll 16
@@ -1564,19 +1567,20 @@ void wide_tile(const __m512i* words, F scales, F mins, const int16_t* xq, const 
           s[r] = _mm512_dpwssd_epi32(s[r], wp, _mm512_set1_epi32(pair));
         }
       }
-      if constexpr (kHalves) {
-        const F16x scale = factor_at<kStride>(scales, 2 * b + h);
-        const F16x mn = given(mins) ? factor_at<kStride>(mins, 2 * b + h) : fzero();
+      if constexpr (!kGroups) {  // the factor block ends here: scale its sums, add its min term
+        const int64_t f = kH * b + h;
+        const F16x scale = factor_at<kStride>(scales, f);
+        const F16x mn = given(mins) ? factor_at<kStride>(mins, f) : fzero();
         for (int r = 0; r < R; ++r) {
           acc[r] = fma(fmul_scalar(to_float(I16{s[r]}), d[r * KB + b]), scale, acc[r]);
-          if (given(mins)) acc[r] = fma(mn, fset(xs[r * B + 2 * b + h]), acc[r]);
+          if (given(mins)) acc[r] = fma(mn, fset(xs[r * B + f]), acc[r]);
         }
       } else {
         for (int r = 0; r < R; ++r) group[r] = fadd(group[r], fmul_scalar(to_float(I16{s[r]}), d[r * KB + b]));
       }
     }
-    if constexpr (!kHalves) {
-      if (++in_group == per) {  // the end of a factor block: scale its sums, add its min term
+    if constexpr (kGroups) {
+      if (++in_group == per) {  // the end of a group: scale its sums, add its min term
         in_group = 0;
         const int64_t g = b / per;
         const F16x scale = factor_at<kStride>(scales, g);
@@ -1593,7 +1597,8 @@ void wide_tile(const __m512i* words, F scales, F mins, const int16_t* xq, const 
 }
 
 // All M rows of x (M * K floats) as int16 codes: each thread makes a tile's words (words(t, buffer)) once, then
-// tile(R, t, first row, its codes, their scales, the words) for each run of R rows (kMaxRows at most).
+// tile(R, t, first row, its codes, their scales, the words) for each run of R rows (kMaxRows at most; 12
+// measured no faster).
 template <typename Words, typename Tile>
 void over_wide_rows(const float* x, int64_t M, int64_t K, int64_t tiles, const Words& words, const Tile& tile) {
   const int64_t KB = K / kBlock;
@@ -1657,14 +1662,21 @@ at::Tensor int4_gemv_f32(const at::Tensor& x, const at::Tensor& packed, const at
 #if defined(EMBER_WIDE)
     if (wide_on() && M - first >= kWideRows) {  // a prefill's rows
       const int64_t KB = K / kBlock;
-      over_wide_rows(
-          xp + first * K, M - first, K, tiles,
-          [&](int64_t t, __m512i* words) { tile_words<4>(wp + t * KB * 256, nullptr, KB, words); },
-          [&](auto R, int64_t t, int64_t m, const int16_t* q, const float* d, const __m512i* words) {
-            m += first;
-            wide_tile<decltype(R)::value, false, 2 * kTile>(words, sc(t), mn(t), q, d, &xs[m * G], K, group_size,
-                                                            op + m * N + t * kTile, N);
-          });
+      const auto run_wide = [&](auto factor_k) {
+        constexpr int kFactorK = decltype(factor_k)::value;
+        over_wide_rows(
+            xp + first * K, M - first, K, tiles,
+            [&](int64_t t, __m512i* words) { tile_words<4>(wp + t * KB * 256, nullptr, KB, words); },
+            [&](auto R, int64_t t, int64_t m, const int16_t* q, const float* d, const __m512i* words) {
+              m += first;
+              wide_tile<decltype(R)::value, kFactorK, 2 * kTile>(words, sc(t), mn(t), q, d, &xs[m * G], K,
+                                                                 group_size, op + m * N + t * kTile, N);
+            });
+      };
+      if (group_size == kBlock)
+        run_wide(std::integral_constant<int, kBlock>{});
+      else
+        run_wide(std::integral_constant<int, 0>{});
       return;
     }
 #endif
@@ -1740,19 +1752,20 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t byt
 #endif
 #if defined(EMBER_WIDE)
     if (wide_on() && M - first >= kWideRows) {  // a prefill's rows
-      const auto run_wide = [&](auto halves) {
-        over_wide_rows(xp + first * K, M - first, K, tiles, words,
-                       [&](auto R, int64_t t, int64_t m, const int16_t* q, const float* d, const __m512i* w) {
-                         m += first;
-                         wide_tile<decltype(R)::value, decltype(halves)::value, kTile>(
-                             w, sc(t), mn(t), q, d, mins ? xs.data() + m * B : nullptr, K, block,
-                             op + m * N + t * kTile, N);
-                       });
+      const auto run_wide = [&](auto factor_k) {
+        constexpr int kFactorK = decltype(factor_k)::value;
+        over_wide_rows(
+            xp + first * K, M - first, K, tiles, words,
+            [&](auto R, int64_t t, int64_t m, const int16_t* q, const float* d, const __m512i* w) {
+              m += first;
+              wide_tile<decltype(R)::value, kFactorK, kTile>(w, sc(t), mn(t), q, d, mins ? xs.data() + m * B : nullptr,
+                                                             K, block, op + m * N + t * kTile, N);
+            });
       };
       if (block == 16)
-        run_wide(std::true_type{});
+        run_wide(std::integral_constant<int, 16>{});
       else
-        run_wide(std::false_type{});
+        run_wide(std::integral_constant<int, kBlock>{});
       return;
     }
 #else
