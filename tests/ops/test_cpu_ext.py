@@ -410,6 +410,41 @@ def float_kernel_operands(
     return codes, scales, mins, operands, (cpu_ext.int8_block_scales(scales), block, tiled_mins)
 
 
+class OutlierCase:
+    """A float kernel of `kind` against rows of activations with a block whose other 31 values are 10^4 times
+    smaller than its outlier: the linear on the weights (float64, `linear`), the bound 2^-bits of each block's
+    largest |x| leaves, and x's rounding to one int8 code a block (the activations of int4_gemv and `gguf`)."""
+
+    def __init__(self, ops, kind: str, block: int, with_mins: bool, rows: int) -> None:
+        g = torch.Generator().manual_seed(rows + block)
+        self.N, self.K = 48, 512
+        self.x = activations(rows, self.K)
+        self.x[:, 64] = 1e4
+        self.codes, self.scales, self.mins, operands, factors = float_kernel_operands(
+            kind, block, with_mins, self.N, self.K, g
+        )
+        op = getattr(ops, f"{kind}_gemv_f32")
+        self.run = lambda: op(self.x, *operands, *factors)
+
+    def linear(self, x: torch.Tensor, mins: bool = True) -> torch.Tensor:
+        m = self.mins.double() if mins and self.mins is not None else None
+        return cpu_ext.int8_f32_reference(x.double(), self.codes.to(torch.int8), self.scales.double(), m)
+
+    def bound(self, bits: int) -> torch.Tensor:
+        """Each weight times 2^-bits of its block's largest |x|."""
+        rows, K = self.x.shape
+        block_max = self.x.abs().reshape(rows, -1, 32).amax(-1, keepdim=True).expand(rows, K // 32, 32)
+        weights = self.linear(torch.eye(K, dtype=torch.double))  # (K, N): the weights' transpose
+        return 2.0**-bits * (block_max.reshape(rows, K).double() @ weights.double().abs())
+
+    def int8_rounded(self) -> torch.Tensor:
+        rows, K = self.x.shape
+        d = self.x.reshape(rows, -1, 32).abs().amax(-1, keepdim=True) / 127
+        return (
+            (self.x.reshape(rows, -1, 32) / d).nan_to_num().round().mul(d).reshape(rows, K)
+        )  # (a block of 0s)
+
+
 @pytest.mark.parametrize(
     "kind,block,with_mins", [("int4", 32, True), ("int8", 32, False), ("int6", 16, True), ("int5", 32, True)]
 )
@@ -421,34 +456,19 @@ def test_float_kernels_take_x_as_three_int8_parts(ops, monkeypatch, kind, block,
     beside an outlier 10^4 times its block, though not the FMA path's bits."""
     if ops.simd() == "scalar":
         pytest.skip("the portable build keeps float FMAs")
-    g = torch.Generator().manual_seed(rows + block)
-    N, K = 48, 512
-    x = activations(rows, K)
-    x[:, 64] = 1e4  # a block whose other 31 values are 10^4 times smaller
-    codes, scales, mins, operands, factors = float_kernel_operands(kind, block, with_mins, N, K, g)
-    op = getattr(ops, f"{kind}_gemv_f32")
-    got = op(x, *operands, *factors)
+    case = OutlierCase(ops, kind, block, with_mins, rows)
+    got = case.run()
     monkeypatch.setenv("EMBER_CPU_SPLIT", "0")
-    on_fma = op(x, *operands, *factors)
-    want = cpu_ext.int8_f32_reference(x.double(), codes.to(torch.int8), scales.double(),
-                                      None if mins is None else mins.double())  # fmt: skip
+    on_fma = case.run()
+    want = case.linear(case.x)
     # the bound: each weight times 2^-22 of its block's largest |x| (x's parts leave 2^-24 of it, the float32
     # sums as much again); the FMA path's float32 sums keep it too
-    block_max = (
-        x.abs().reshape(rows, -1, 32).amax(-1, keepdim=True).expand(rows, K // 32, 32).reshape(rows, K)
-    )
-    weights = cpu_ext.int8_f32_reference(torch.eye(K, dtype=torch.double), codes.to(torch.int8), scales.double(),
-                                         None if mins is None else mins.double())  # fmt: skip
-    bound = 2.0**-22 * (block_max.double() @ weights.double().abs())  # (K, N): the weights' transpose
+    bound = case.bound(22)
     assert ((got - want).abs() <= bound).all()
     assert ((on_fma - want).abs() <= bound).all()
     assert not torch.equal(got, on_fma)
     # one int8 part alone (the activations' rounding in int4_gemv) would be far past it
-    d = x.reshape(rows, -1, 32).abs().amax(-1, keepdim=True) / 127
-    one = (x.reshape(rows, -1, 32) / d).nan_to_num().round().mul(d).reshape(rows, K)  # (a block of zeros)
-    coarse = cpu_ext.int8_f32_reference(one.double(), codes.to(torch.int8), scales.double(),
-                                        None if mins is None else mins.double())  # fmt: skip
-    assert ((coarse - want).abs() > 10 * bound).any()
+    assert ((case.linear(case.int8_rounded()) - want).abs() > 10 * bound).any()
 
 
 @pytest.mark.parametrize(
@@ -488,36 +508,19 @@ def test_a_prefills_rows_take_x_as_int16_codes(ops, monkeypatch, kind, block, wi
     if not ops.simd().startswith("avx512-vnni"):
         pytest.skip("only the AVX512-VNNI build takes x as int16 codes")
     monkeypatch.setenv("EMBER_CPU_AMX_F32", "0")  # every row on the vector path
-    g = torch.Generator().manual_seed(rows + block)
-    N, K = 48, 512
-    x = activations(rows, K)
-    x[:, 64] = 1e4  # a block whose other 31 values are 10^4 times smaller
-    codes, scales, mins, operands, factors = float_kernel_operands(kind, block, with_mins, N, K, g)
-    op = getattr(ops, f"{kind}_gemv_f32")
-    got = op(x, *operands, *factors)
-
-    def linear(x: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
-        return cpu_ext.int8_f32_reference(x.double(), codes.to(torch.int8), scales.double(),
-                                          None if mins is None else mins.double())  # fmt: skip
-
-    rounded = linear(cpu_ext.int16_blocks_reference(x), None)
-    if mins is not None:  # sum_k x over each block of the mins, x as it is
-        rounded += x.double().reshape(rows, -1, block).sum(-1) @ mins.double().T
+    case = OutlierCase(ops, kind, block, with_mins, rows)
+    got = case.run()
+    rounded = case.linear(cpu_ext.int16_blocks_reference(case.x), mins=False)
+    if case.mins is not None:  # sum_k x over each block of the mins, x as it is
+        rounded += case.x.double().reshape(rows, -1, block).sum(-1) @ case.mins.double().T
     assert (got - rounded).abs().max() <= 2e-6 * rounded.abs().max()
-    want = linear(x, mins)
-    block_max = (
-        x.abs().reshape(rows, -1, 32).amax(-1, keepdim=True).expand(rows, K // 32, 32).reshape(rows, K)
-    )
-    weights = linear(torch.eye(K, dtype=torch.double), mins).double()  # (K, N): the weights' transpose
-    bound = 2.0**-16 * (block_max.double() @ weights.abs())
+    want = case.linear(case.x)
+    bound = case.bound(16)
     assert ((got - want).abs() <= bound).all()
     monkeypatch.setenv("EMBER_CPU_WIDE", "0")
-    on_fma = op(x, *operands, *factors)
-    assert not torch.equal(got, on_fma)
+    assert not torch.equal(got, case.run())
     # int8 codes (`--quantize gguf`'s activations) would be past the bound
-    d = x.reshape(rows, -1, 32).abs().amax(-1, keepdim=True) / 127
-    coarse = linear((x.reshape(rows, -1, 32) / d).nan_to_num().round().mul(d).reshape(rows, K), mins)
-    assert ((coarse - want).abs() > bound).any()
+    assert ((case.linear(case.int8_rounded()) - want).abs() > bound).any()
 
 
 def amx_builds() -> tuple:
