@@ -601,11 +601,11 @@ def test_int4_silu_gate_up_bf16_is_its_twin(group_size, rows, N):
     ],
 )
 @pytest.mark.parametrize("rows,N,K", [(16, 48, 512), (37, 80, 1280), (130, 64, 2304)])
-def test_float_kernels_on_the_tile_unit_keep_float32_sums(kind, block, with_mins, rows, N, K):
+def test_float_kernels_on_the_tile_unit_keep_float32_sums(kind, block, with_mins, rows, N, K, float_fmas):
     """From 16 rows the float kernels take their rows 16 at a time to the tile unit, x as three bf16 parts whose
-    products with the codes are exact: the float64 linear within float32 sums' error, as on the vector path,
-    though not in its order; rounding x to bf16 instead would be far off. Ranges of K past one (1280, 2304),
-    an odd tile, rows left to the vector path, blocks of 16 and 32 and int4 groups."""
+    products with the codes are exact: the float64 linear within float32 sums' error, as on the vector path
+    (its FMAs: `float_fmas`), though not in its order; rounding x to bf16 instead would be far off. Ranges of K
+    past one (1280, 2304), an odd tile, rows left to the vector path, blocks of 16 and 32 and int4 groups."""
     amx, vector = amx_builds()
     g = torch.Generator().manual_seed(rows + block)
     x = activations(rows, K)
