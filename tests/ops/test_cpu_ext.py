@@ -503,14 +503,14 @@ def test_many_rows_meet_the_codes_as_floats_with_the_same_bits(ops, float_fmas, 
 def test_a_prefills_rows_take_x_as_int16_codes(ops, monkeypatch, kind, block, with_mins, rows):
     """From 4 rows (AVX512-VNNI, the rows the tile unit leaves) each block of 32 activations is one int16 code of
     its scale, multiplied by the codes in integer dot products: the float64 linear on x rounded so
-    (`int16_blocks_reference`; the min term from x as it is) but for float32 sums, so within 2^-16 of each
+    (`quantize_blocks(x, 32767)`; the min term from x as it is) but for float32 sums, so within 2^-16 of each
     block's largest |x| of the float linear, beside an outlier 10^4 times its block; not the FMA path's bits."""
     if not ops.simd().startswith("avx512-vnni"):
         pytest.skip("only the AVX512-VNNI build takes x as int16 codes")
     monkeypatch.setenv("EMBER_CPU_AMX_F32", "0")  # every row on the vector path
     case = OutlierCase(ops, kind, block, with_mins, rows)
     got = case.run()
-    rounded = case.linear(cpu_ext.int16_blocks_reference(case.x), mins=False)
+    rounded = case.linear(cpu_ext.quantize_blocks(case.x, 32767), mins=False)
     if case.mins is not None:  # sum_k x over each block of the mins, x as it is
         rounded += case.x.double().reshape(rows, -1, block).sum(-1) @ case.mins.double().T
     assert (got - rounded).abs().max() <= 2e-6 * rounded.abs().max()

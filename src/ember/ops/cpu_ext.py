@@ -12,7 +12,7 @@
   rows on AMX-BF16, as three bf16 parts on the tile unit (exact products, float32 sums; EMBER_CPU_AMX_F32=0:
   the vector path); the rows the tile unit leaves, from 4 (a prefill's) on AVX512-VNNI, as one int16 code of
   each block of 32's scale (held to 2^-16 of the block's largest |x|: 1.4-1.8x the FMAs' rate on Zen 4) against
-  the codes made int16 once a tile, in integer dot products (`int16_blocks_reference`; EMBER_CPU_WIDE=0: float
+  the codes made int16 once a tile, in integer dot products (`quantize_blocks(x, 32767)`; EMBER_CPU_WIDE=0: float
   FMAs);
 - `int4_gemm_bf16` (`csrc/cpu_gemv.cpp`, on CPUs with AMX-BF16: Sapphire Rapids and later): a prefill's
   rows against int4 weights on the tile unit, the weights dequantized to bf16 a tile at a time and x rounded
@@ -509,16 +509,18 @@ def int8_f32_reference(
     return F.linear(x.double(), w.reshape(N, K)).float()
 
 
-def quantize_blocks(x: torch.Tensor) -> torch.Tensor:
-    """x (M, K) float32 -> the values int4_gemv multiplies: each block of 32 as int8 codes times max|x| / 127."""
+def quantize_blocks(x: torch.Tensor, top: int = 127) -> torch.Tensor:
+    """x (M, K) float32 -> the values the kernels multiply where they round activations per block of 32: codes
+    up to `top` times max|x| / top, the products in float64 (exact). 127: int8 codes (int4_gemv); 32767: int16
+    codes (the float kernels' rows from 4, on AVX512-VNNI: csrc's `wide_tile`)."""
     M, K = x.shape
-    xb = x.reshape(M, K // BLOCK, BLOCK)
+    xb = x.float().reshape(M, K // BLOCK, BLOCK)
     amax = xb.abs().amax(dim=-1, keepdim=True)
-    # The kernel's arithmetic: x * (127 / amax) rounded half to even (a tensor divided, where `127.0 / amax`
-    # would multiply by amax's reciprocal and round differently).
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, 0.0)
+    # The kernel's arithmetic: x * (top / amax) rounded half to even (a tensor divided, where `top / amax`
+    # would multiply by amax's reciprocal and round differently), d = amax / top in float32.
+    inv = torch.where(amax > 0, torch.full_like(amax, float(top)) / amax, 0.0)
     codes = torch.round(xb * inv)
-    return (codes * (amax / 127.0)).reshape(M, K)
+    return (codes.double() * (amax / top).double()).reshape(M, K)
 
 
 def _int4_weights(
@@ -536,19 +538,7 @@ def int4_reference(
 ) -> torch.Tensor:
     """`int4_gemv` in plain torch, from the canonical operands: the activations quantized per block of 32,
     times the weights q * scale + min with scale and min rounded to float16 (the kernel's)."""
-    return F.linear(quantize_blocks(x.float()), _int4_weights(qweight, scales, mins, group_size))
-
-
-def int16_blocks_reference(x: torch.Tensor) -> torch.Tensor:
-    """x (M, K) as the float kernels take a prefill's rows (from 4, on AVX512-VNNI; csrc's `wide_tile`): each
-    block of 32 one int16 code of d = max|x| / 32767, rounded half to even in float32 as the kernel rounds; the
-    values q * d in float64."""
-    M, K = x.shape
-    blocks = x.float().reshape(M, K // 32, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
-    codes = torch.round(blocks * inv)
-    return (codes.double() * (amax / 32767.0).double()).reshape(M, K)
+    return F.linear(quantize_blocks(x).float(), _int4_weights(qweight, scales, mins, group_size))
 
 
 def int4_f32_reference(

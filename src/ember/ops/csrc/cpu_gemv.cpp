@@ -1799,7 +1799,9 @@ at::Tensor block_gemv(const at::Tensor& x, const at::Tensor& packed, int64_t byt
 // The 5- and 6-bit kernels' vector path from kFloatCodeRows rows (those the tile unit leaves): each thread turns a
 // tile's codes into floats in a buffer of its own (16 K floats, in its L2) when it first meets the tile, and all
 // its runs of rows read them there (over_tiles gives a thread each tile's runs one after another). Not for int4:
-// its nibbles become floats in two instructions, and loading them instead ran 2-5% slower.
+// its nibbles become floats in two instructions, and loading them instead ran 2-5% slower. Where the rows go as
+// int16 codes (AVX512-VNNI, from kWideRows) it holds no buffers: the FMA path's, for builds without that and
+// EMBER_CPU_WIDE=0.
 class TileFloats {
  public:
   TileFloats(int64_t M, int64_t K) : K_(K) {
