@@ -499,7 +499,7 @@ def test_many_rows_meet_the_codes_as_floats_with_the_same_bits(ops, float_fmas, 
     [("int4", 32, True), ("int4", 128, True), ("int5", 32, True), ("int5", 16, False), ("int6", 16, True),
      ("int6", 32, False), ("int8", 32, False), ("int8", 16, True)],
 )  # fmt: skip
-@pytest.mark.parametrize("rows", [4, 9, 40])
+@pytest.mark.parametrize("rows", [4, 9, 40, 270])  # 270: past a chunk of rows (256 of K 512), a last run of 6
 def test_a_prefills_rows_take_x_as_int16_codes(ops, monkeypatch, kind, block, with_mins, rows):
     """From 4 rows (AVX512-VNNI, the rows the tile unit leaves) each block of 32 activations is one int16 code of
     its scale, multiplied by the codes in integer dot products: the float64 linear on x rounded so
