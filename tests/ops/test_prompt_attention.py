@@ -19,7 +19,9 @@ def whole_mask_attention(q, k, v, window, scale, softcap):
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+@pytest.mark.parametrize(
+    "device,cpu_kernel", [("cpu", True), ("cpu", False), pytest.param("cuda", False, marks=CUDA)]
+)
 @pytest.mark.parametrize("chunk", [16, attention.PROMPT_CHUNK])
 @pytest.mark.parametrize("softcap", [None, 20.0])
 @pytest.mark.parametrize(
@@ -35,8 +37,10 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"
         (300, 300, 40),  # chunks of the real size too
     ],
 )
-def test_a_prompt_sees_what_the_whole_mask_shows(monkeypatch, device, chunk, softcap, T, S, window):
+def test_a_prompt_sees_what_the_whole_mask_shows(monkeypatch, device, cpu_kernel, chunk, softcap, T, S, window):
+    """On a CPU, through Ember's kernel where it runs (AVX-512; no soft-cap) and through SDPA."""
     monkeypatch.setattr(attention, "PROMPT_CHUNK", chunk)
+    monkeypatch.setattr(attention, "CPU_KERNEL", cpu_kernel)
     torch.manual_seed(T + S)
     B, H, K, D = 2, 6, 2, 32
     q = torch.randn(B, H, T, D, device=device)
@@ -48,8 +52,10 @@ def test_a_prompt_sees_what_the_whole_mask_shows(monkeypatch, device, chunk, sof
 
 @pytest.fixture
 def keys_seen(monkeypatch) -> list[int]:
-    """Chunks of 8 query rows, and the number of keys each SDPA call of `prompt_attention` is handed."""
+    """Chunks of 8 query rows, and the number of keys each SDPA call of `prompt_attention` is handed (SDPA's
+    path: not Ember's CPU kernel)."""
     monkeypatch.setattr(attention, "PROMPT_CHUNK", 8)
+    monkeypatch.setattr(attention, "CPU_KERNEL", False)
     seen: list[int] = []
     real = attention.sdpa_attention
 
@@ -86,3 +92,57 @@ def test_a_compiled_prompt_goes_through_its_window_in_chunks(keys_seen, device):
         torch.testing.assert_close(
             got, 2 * whole_mask_attention(q, k, v, 4, 0.25, None), rtol=1e-5, atol=1e-5
         )
+
+
+@pytest.fixture
+def kernel() -> None:
+    """Ember's CPU kernel of a prompt's attention, where this machine builds it (AVX-512)."""
+    q = torch.zeros(1, 1, 1, 16)
+    if not attention.cpu_kernel_runs(q, q, q):
+        pytest.skip("Ember's prompt attention kernel needs an AVX-512 build of the CPU kernels")
+
+
+def float64_attention(q, k, v, window, scale):
+    """The float64 reference: every query over every key its position shows, from the whole mask."""
+    q, k, v = q.double(), k.double(), v.double()
+    return whole_mask_attention(q, k, v, window, scale, None)
+
+
+@pytest.mark.parametrize(
+    "B,H,K,T,S,D,window",
+    [
+        (1, 9, 3, 130, 130, 64, None),  # SmolLM2's heads; positions past a task's 16, keys past a block's 64
+        (1, 4, 1, 300, 300, 256, 128),  # Gemma 3 270M's, a local layer's window
+        (2, 6, 2, 37, 200, 48, None),  # after a prefix; a head dim of three vectors
+        (1, 8, 8, 5, 70, 32, 20),  # no grouping; the window starts inside the prefix
+        (1, 4, 2, 1, 65, 16, None),  # one query
+    ],
+)
+def test_the_cpu_kernel_is_the_float64_attention(kernel, B, H, K, T, S, D, window):
+    """`ember_cpu::prompt_attention` to float32's precision, with q, k and v strided views of one projection's
+    output (as a layer hands them over), and keys no query sees never read: NaN there changes nothing."""
+    torch.manual_seed(T + S + D)
+    qkv = torch.randn(B, S, (H + 2 * K) * D)[:, S - T :]  # (B, T, ...) rows of a wider tensor
+    q = qkv[..., : H * D].unflatten(-1, (H, D)).transpose(1, 2)
+    k = torch.randn(B, S, K, D).transpose(1, 2)
+    v = torch.randn(B, S, K, 2 * D)[..., :D].transpose(1, 2)
+    first_seen = 0 if window is None else max(0, S - T - window + 1)
+    k[:, :, :first_seen], v[:, :, :first_seen] = float("nan"), float("nan")
+    assert attention.cpu_kernel_runs(q, k, v)
+    got = prompt_attention(q, k, v, window=window, scale=D**-0.5)
+    assert got.shape == (B, H, T, D)
+    want = float64_attention(q.nan_to_num(), k.nan_to_num(), v.nan_to_num(), window, D**-0.5)
+    assert (got.double() - want).abs().max() <= 2e-6
+
+
+def test_a_compiled_prompt_takes_the_cpu_kernel_as_one_op(kernel):
+    """Compiled with dynamic shapes (`--compile-prefill`): the kernel is an op of the graph, two prompt lengths
+    from one graph, each the float64 attention's values."""
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        lambda q, k, v: prompt_attention(q, k, v, window=None, scale=0.25) * 2, dynamic=True, fullgraph=True
+    )
+    for T in (40, 43):
+        q, k, v = (torch.randn(1, 4, T, 16) for _ in range(3))
+        got = compiled(q, k, v)
+        assert (got.double() - 2 * float64_attention(q, k, v, None, 0.25)).abs().max() <= 4e-6

@@ -24,6 +24,8 @@
   static or a paged KV cache, reading only the slots the row sees; `rope_decode_attention`, for eager steps,
   also ropes q and k and writes this step's k and v to the static cache first, and `rope_write` does those
   for a paged cache's tokens;
+- `prompt_attention` (`csrc/cpu_prompt_attention.cpp`, AVX-512 builds): a prompt's queries over the keys each
+  sees, causal and within a sliding window, float32, flash-attention style (`ember.ops.attention.prompt_attention`);
 - `rms_norm` and `add_rms_norm` (`csrc/cpu_norm.cpp`): `ember.ops.norm`'s RMSNorm (and the residual add before
   it) in one call, for eager steps, where its ~10 aten ops a norm were a tenth of a small model's step.
 - `tile_rows` (`csrc/cpu_rows.cpp`): rows of 4-, 5-, 6- or 8-bit tiles dequantized (`untile_int8`,
@@ -67,7 +69,7 @@ from ember.paths import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / f"cpu_{name}.cpp" for name in ("gemv", "attention", "norm", "step", "rows"))
+SOURCES = tuple(CSRC / f"cpu_{name}.cpp" for name in ("gemv", "attention", "prompt_attention", "norm", "step", "rows"))
 NAMESPACE = "ember_cpu"
 TILE = 16  # output rows of a tile: N must be a multiple
 BLOCK = 32  # k of an activation block (int4) and of a tile's run of bytes: K must be a multiple
@@ -78,6 +80,8 @@ INT8_MAX_K = 1 << 16  # int8 sums stay inside int32 up to this K
 # 128, 0.47-0.98x; BENCHMARKS.md).
 AMX_BF16_ROWS = 64
 ENV = "EMBER_CPU_KERNELS"
+# Ops only some instruction sets' builds have (`has_op`).
+OPTIONAL_OPS = ("prompt_attention",)
 
 
 def eager_inference() -> bool:
@@ -191,8 +195,12 @@ def load(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> str:
                 ("add_rms_norm", _add_norm_fake),
                 ("tile_rows", _tile_rows_fake),
                 ("argmax_rows", _argmax_fake),
+                ("prompt_attention", _prompt_attention_fake),
             )
+            ops = getattr(torch.ops, namespace)
             for name, fake in fakes:
+                if name in OPTIONAL_OPS and not hasattr(ops, name):
+                    continue
                 torch.library.register_fake(f"{namespace}::{name}")(fake)
             _LOADED[namespace] = getattr(torch.ops, namespace).simd()
         return _LOADED[namespace]
@@ -218,6 +226,12 @@ def available() -> bool:
 
 
 @functools.cache
+def has_op(name: str) -> bool:
+    """Whether the loaded build has `ember_cpu::name` (one of `OPTIONAL_OPS`, which need AVX-512)."""
+    return available() and hasattr(torch.ops.ember_cpu, name)
+
+
+@functools.cache
 def amx_bf16() -> bool:
     """Whether `int4_gemm_bf16` runs here: the kernels built for AMX-BF16 and Linux granting this process the
     tile state (not with EMBER_CPU_AMX=0)."""
@@ -230,6 +244,11 @@ def _rope_attention_fake(q, k, v, cos, sin, k_cache, v_cache, positions, scale, 
 
 def _rope_write_fake(q, k, v, cos, sin, k_pool, v_pool, slot_mapping):
     return torch.empty_like(q)
+
+
+def _prompt_attention_fake(q, k, v, scale, window):
+    B, H, T, D = q.shape
+    return q.new_empty(B, T, H, D).transpose(1, 2)
 
 
 def _norm_fake(x, weight, eps, offset):
