@@ -40,7 +40,7 @@ def test_a_prompt_from_slot_0_attends_over_its_own_slots_as_over_all_of_them(win
 
 def test_an_eager_cpu_decode_step_runs_the_fused_kernels():
     # Each layer of an eager CPU decode step: its rope, cache writes and attention in one call, its norms in
-    # C++ (the fused ops' values are tested in tests/ops); a prompt keeps the plain rope and writes.
+    # C++ (the fused ops' values are tested in tests/ops); a prompt's rope and writes in one call too.
     from ember.bench import random_model
     from ember.engine.generate import Generator
     from ember.engine.sampler import SamplingParams
@@ -57,4 +57,5 @@ def test_an_eager_cpu_decode_step_runs_the_fused_kernels():
     layers = model.config.num_layers
     assert calls.count("ember_cpu::rope_decode_attention") == 3 * layers  # 3 decode steps after the prompt
     assert calls.count("ember_cpu::add_rms_norm") >= 3 * (2 * layers - 1)
-    assert calls.count("aten::index_put_") == 2 * layers  # the prompt's writes only
+    assert calls.count("ember_cpu::rope_prompt_write") == layers  # the prompt's
+    assert calls.count("aten::index_put_") == 0

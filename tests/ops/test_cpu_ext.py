@@ -876,6 +876,33 @@ def test_rope_decode_attention_is_the_rope_the_writes_and_decode_attention(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,T,H,K,D,rotary", [(1, 37, 9, 3, 64, 64), (2, 5, 4, 2, 32, 16)])
+def test_rope_prompt_write_is_the_rope_and_the_cache_writes(ops, dtype, B, T, H, K, D, rotary):
+    """A prompt's rows on a static cache (q, k, v strided views of one projection's output, as a layer hands them
+    over): bit for bit `apply_rope_qk` and the writes at each row's positions; the caches' other slots and rows
+    untouched, and a cache of another dtype written as index_put converts."""
+    from ember.ops.rope import apply_rope_qk
+
+    torch.manual_seed(T + rotary)
+    S = 50
+    qkv = torch.randn(B, T, (H + 2 * K) * D, dtype=dtype)
+    q, k, v = (t.unflatten(-1, (-1, D)) for t in qkv.split([H * D, K * D, K * D], dim=-1))
+    cos, sin = torch.randn(B, T, rotary), torch.randn(B, T, rotary)
+    positions = torch.arange(T)[None] + torch.tensor([0, S - T][:B])[:, None]  # (B, T)
+    for cache_dtype in (dtype, torch.float32 if dtype == torch.bfloat16 else torch.bfloat16):
+        k_cache, v_cache = (torch.randn(B + 1, K, S, D, dtype=dtype).to(cache_dtype) for _ in range(2))
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        want_q, kr = apply_rope_qk(q, k, cos, sin)
+        rows = torch.arange(B)[:, None]
+        want_k[rows, :, positions], want_v[rows, :, positions] = kr.to(cache_dtype), v.to(cache_dtype)
+        got_q, got_k = ops.rope_prompt_write(q, k, v, cos, sin, k_cache, v_cache, positions)
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, kr), cache_dtype
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v), cache_dtype
+    with pytest.raises(RuntimeError, match=f"position {S} is outside the cache's {S} slots"):
+        ops.rope_prompt_write(q, k, v, cos, sin, k_cache, v_cache, positions + S - positions.max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rotary", [64, 32])
 def test_rope_write_is_the_rope_and_the_pool_writes(ops, dtype, rotary):
     """A paged cache's tokens (each its own rope angles and pool slot): bit for bit `apply_rope_qk` and the

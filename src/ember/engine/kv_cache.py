@@ -28,6 +28,10 @@ from ember.ops.attention import causal_mask, grouped_decode_attention, prompt_at
 from ember.ops.decode_attention import decode_attention as cuda_decode_attention
 from ember.ops.rope import apply_rope_qk
 
+# Whether an eager CPU prompt's rope and cache writes are one call (`ember_cpu::rope_prompt_write`; False: the
+# torch ops, to compare).
+PROMPT_ROPE_KERNEL = True
+
 
 class StaticKVCache:
     def __init__(
@@ -127,10 +131,13 @@ class StaticKVCache:
                 self.k[layer], self.v[layer], pos[:, 0], scale, window or 0,
             )  # fmt: skip
             return out.unsqueeze(1)
-        q, k = apply_rope_qk(q, k, *rope)
-        rows = self._rows
-        self.k[layer][rows, :, pos] = k  # k (B, T, K, D) lands at cache[b, :, pos[b, t]]
-        self.v[layer][rows, :, pos] = v
+        if T > 1 and PROMPT_ROPE_KERNEL and self._cpu_attention and cpu_ext.eager_inference():  # one call
+            q, k = torch.ops.ember_cpu.rope_prompt_write(q, k, v, *rope, self.k[layer], self.v[layer], pos)
+        else:
+            q, k = apply_rope_qk(q, k, *rope)
+            rows = self._rows
+            self.k[layer][rows, :, pos] = k  # k (B, T, K, D) lands at cache[b, :, pos[b, t]]
+            self.v[layer][rows, :, pos] = v
         if T == 1 and softcap is None and self._cpu_attention:
             out = torch.ops.ember_cpu.decode_attention(
                 q.reshape(B, H, D), self.k[layer][:B], self.v[layer][:B], pos[:, 0], scale, window or 0

@@ -22,8 +22,8 @@
   sums as they leave the tile unit (its output half the width, and no pass of its own);
 - `decode_attention` and `paged_decode_attention` (`csrc/cpu_attention.cpp`): one query token a row over a
   static or a paged KV cache, reading only the slots the row sees; `rope_decode_attention`, for eager steps,
-  also ropes q and k and writes this step's k and v to the static cache first, and `rope_write` does those
-  for a paged cache's tokens;
+  also ropes q and k and writes this step's k and v to the static cache first, `rope_prompt_write` does those
+  for a prompt's rows on a static cache, and `rope_write` for a paged cache's tokens;
 - `prompt_attention` (`csrc/cpu_prompt_attention.cpp`, AVX-512 builds): a prompt's queries over the keys each
   sees, causal and within a sliding window, float32, flash-attention style (`ember.ops.attention.prompt_attention`);
 - `rms_norm` and `add_rms_norm` (`csrc/cpu_norm.cpp`): `ember.ops.norm`'s RMSNorm (and the residual add before
@@ -191,6 +191,7 @@ def load(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> str:
                 ("paged_decode_attention", _attention_fake),
                 ("rope_decode_attention", _rope_attention_fake),
                 ("rope_write", _rope_write_fake),
+                ("rope_prompt_write", _rope_prompt_write_fake),
                 ("rms_norm", _norm_fake),
                 ("add_rms_norm", _add_norm_fake),
                 ("tile_rows", _tile_rows_fake),
@@ -249,6 +250,12 @@ def _rope_write_fake(q, k, v, cos, sin, k_pool, v_pool, slot_mapping):
 def _prompt_attention_fake(q, k, v, scale, window):
     B, H, T, D = q.shape
     return q.new_empty(B, T, H, D).transpose(1, 2)
+
+
+def _rope_prompt_write_fake(q, k, v, cos, sin, k_cache, v_cache, positions):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), torch.empty_like(
+        k, memory_format=torch.contiguous_format
+    )
 
 
 def _norm_fake(x, weight, eps, offset):

@@ -23,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -392,6 +393,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
                     });
 }
 
+// Rows of a prompt a thread ropes (or writes to a cache) at least.
+constexpr int64_t kRopeRows = 16;
+
 // x (N, D) rows of one token: the first Dr dims rotated at cos, sin (Dr,) with the half-split convention, as
 // `ember.ops.rope.apply_rope` computes it in T: cos and sin rounded to T, each product and the sum rounded to
 // T (the products kept apart: a fused multiply-add would round once where torch rounds twice).
@@ -431,14 +435,68 @@ std::pair<at::Tensor, at::Tensor> rope_qk(const at::Tensor& q, const at::Tensor&
   const auto qc = q.contiguous(), kc = k.contiguous();
   auto q_roped = at::empty_like(qc), k_roped = at::empty_like(kc);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rope_qk", [&] {
-    for (int64_t m = 0; m < M; ++m) {
-      const float* cm = cf.data_ptr<float>() + m * Dr;
-      const float* sm = sf.data_ptr<float>() + m * Dr;
-      rope_row<scalar_t>(qc.data_ptr<scalar_t>() + m * H * D, cm, sm, H, D, Dr, q_roped.data_ptr<scalar_t>() + m * H * D);
-      rope_row<scalar_t>(kc.data_ptr<scalar_t>() + m * K * D, cm, sm, K, D, Dr, k_roped.data_ptr<scalar_t>() + m * K * D);
-    }
+    at::parallel_for(0, M, kRopeRows, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        const float* cm = cf.data_ptr<float>() + m * Dr;
+        const float* sm = sf.data_ptr<float>() + m * Dr;
+        rope_row<scalar_t>(qc.data_ptr<scalar_t>() + m * H * D, cm, sm, H, D, Dr,
+                           q_roped.data_ptr<scalar_t>() + m * H * D);
+        rope_row<scalar_t>(kc.data_ptr<scalar_t>() + m * K * D, cm, sm, K, D, Dr,
+                           k_roped.data_ptr<scalar_t>() + m * K * D);
+      }
+    });
   });
   return {q_roped, k_roped};
+}
+
+// Rows of rows `rows` (M, K, D) written to a static cache (B', K, S, D) at [b, :, positions[b, t]] for row m = b T
+// + t, converted to the cache's dtype as index_put converts: positions (B, T) int64, checked against its slots.
+void write_rows(const at::Tensor& rows, at::Tensor cache, const at::Tensor& positions) {
+  const int64_t B = positions.size(0), T = positions.size(1), K = rows.size(1), D = rows.size(2);
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * T; ++i)
+    TORCH_CHECK(pp[i] >= 0 && pp[i] < cache.size(2), "position ", pp[i], " is outside the cache's ", cache.size(2),
+                " slots");
+  if (cache.scalar_type() != rows.scalar_type() || cache.stride(3) != 1) {
+    using at::indexing::Slice;
+    const auto slots = at::arange(B, positions.options()).unsqueeze(1).expand({B, T});
+    cache.index_put_({slots, Slice(), positions}, rows.view({B, T, K, D}).to(cache.scalar_type()));
+    return;
+  }
+  const int64_t size = cache.element_size();
+  auto* dst = static_cast<char*>(cache.data_ptr());
+  const auto* src = static_cast<const char*>(rows.const_data_ptr());
+  at::parallel_for(0, B * T, kRopeRows, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      for (int64_t g = 0; g < K; ++g)
+        std::memcpy(dst + ((i / T) * cache.stride(0) + g * cache.stride(1) + pp[i] * cache.stride(2)) * size,
+                    src + (i * K + g) * D * size, D * size);
+  });
+}
+
+// A prompt's rows on a static cache, for eager steps: q (B, T, H, D) and k (B, T, K, D) roped at cos, sin (B, T,
+// Dr), k roped and v (B, T, K, D) written to the caches (B', K, S, D) at positions (B, T) -> (q roped, k roped),
+// contiguous. What `apply_rope_qk` and the cache's index_put writes compute, in one call: SmolLM2's eager prefill
+// 1.08-1.09x as fast at 128 tokens, 1.05x at 1800 (2 Zen 4 cores; `kv_cache.PROMPT_ROPE_KERNEL` alternated).
+std::tuple<at::Tensor, at::Tensor> rope_prompt_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const at::Tensor& cos, const at::Tensor& sin,
+                                                     at::Tensor k_cache, at::Tensor v_cache,
+                                                     const at::Tensor& positions) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && cos.dim() == 3 && positions.dim() == 2,
+              "expected q (B, T, H, D), k and v (B, T, K, D), cos and sin (B, T, Dr), positions (B, T), got ",
+              q.sizes(), ", ", k.sizes(), ", ", v.sizes(), ", ", cos.sizes(), ", ", positions.sizes());
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3), K = k.size(2);
+  TORCH_CHECK(positions.size(0) == B && positions.size(1) == T && positions.scalar_type() == at::kLong,
+              "positions must be (B, T) int64");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) >= B && k_cache.size(1) == K && k_cache.size(3) == D &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "caches ", k_cache.sizes(), " do not match k ", k.sizes());
+  auto [q_roped, k_roped] = rope_qk(q.reshape({B * T, H, D}), k.reshape({B * T, K, D}), v.reshape({B * T, K, D}),
+                                    cos.reshape({B * T, cos.size(2)}), sin.reshape({B * T, sin.size(2)}));
+  const auto pos = positions.contiguous();
+  write_rows(k_roped, k_cache, pos);
+  write_rows(v.reshape({B * T, K, D}).contiguous(), v_cache, pos);
+  return {q_roped.view({B, T, H, D}), k_roped.view({B, T, K, D})};
 }
 
 // One decode step of a layer on a static cache, all in one call (an eager step ran ~20 aten ops for the rope
@@ -556,6 +614,8 @@ EMBER_LIBRARY_FRAGMENT(EMBER_CPU_NAMESPACE, m) {
         "Tensor(b!) v_cache, Tensor positions, float scale, int window) -> Tensor");
   m.def("rope_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, "
         "Tensor slot_mapping) -> Tensor");
+  m.def("rope_prompt_write(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor positions) -> (Tensor, Tensor)");
 }
 
 EMBER_LIBRARY_IMPL(EMBER_CPU_NAMESPACE, CPU, m) {
@@ -563,4 +623,5 @@ EMBER_LIBRARY_IMPL(EMBER_CPU_NAMESPACE, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("rope_decode_attention", &rope_decode_attention);
   m.impl("rope_write", &rope_write);
+  m.impl("rope_prompt_write", &rope_prompt_write);
 }
