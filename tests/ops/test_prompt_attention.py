@@ -37,7 +37,9 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"
         (300, 300, 40),  # chunks of the real size too
     ],
 )
-def test_a_prompt_sees_what_the_whole_mask_shows(monkeypatch, device, cpu_kernel, chunk, softcap, T, S, window):
+def test_a_prompt_sees_what_the_whole_mask_shows(
+    monkeypatch, device, cpu_kernel, chunk, softcap, T, S, window
+):
     """On a CPU, through Ember's kernel where it runs (AVX-512; no soft-cap) and through SDPA."""
     monkeypatch.setattr(attention, "PROMPT_CHUNK", chunk)
     monkeypatch.setattr(attention, "CPU_KERNEL", cpu_kernel)

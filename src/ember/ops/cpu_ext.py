@@ -69,7 +69,9 @@ from ember.paths import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / f"cpu_{name}.cpp" for name in ("gemv", "attention", "prompt_attention", "norm", "step", "rows"))
+SOURCES = tuple(
+    CSRC / f"cpu_{name}.cpp" for name in ("gemv", "attention", "prompt_attention", "norm", "step", "rows")
+)
 NAMESPACE = "ember_cpu"
 TILE = 16  # output rows of a tile: N must be a multiple
 BLOCK = 32  # k of an activation block (int4) and of a tile's run of bytes: K must be a multiple
