@@ -27,34 +27,15 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_attention.h"
 #include "library.h"
 
 namespace {
 
 constexpr int kLanes = 16;  // independent partial sums: one AVX-512 register, two AVX2 ones
 
-// exp(x) for x <= 0 (a score minus the row's max), to ~1e-7 relative: 2^(x log2 e) as 2^n * 2^f with
-// f in [-0.5, 0.5], 2^f by its Taylor series to degree 7 (error < 1e-8), 2^n put into the exponent bits.
-// Written as plain arithmetic so that a loop of it vectorizes.
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.0f) * 1.44269504088896341f;
-  const float n = std::nearbyint(t);
-  const float f = t - n;
-  float p = 1.525273e-05f;
-  p = p * f + 1.540353e-04f;
-  p = p * f + 1.333355e-03f;
-  p = p * f + 9.618129e-03f;
-  p = p * f + 5.550411e-02f;
-  p = p * f + 2.402265e-01f;
-  p = p * f + 6.931472e-01f;
-  p = p * f + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, 4);
-  bits += static_cast<int32_t>(n) << 23;
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-}
+using ember::exp_nonpositive;
+using ember::first_visible;
 
 template <typename T>
 inline float dot(const float* q, const T* k, int64_t D) {
@@ -299,8 +280,6 @@ void attend_run(const float* q, const T* k, const T* v, Rows row, int64_t n, int
   weighted_sums(s, v, row, n, D, G, acc);
 }
 
-// The first slot a query at position p sees: 0, or with a sliding window the last `window` (p - window < slot).
-inline int64_t first_visible(int64_t p, int64_t window) { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }
 
 // Every row's attention, q (B, H, D) -> (B, H, D) in q's dtype: K kv heads, each serving G = H / K query heads;
 // row b sees `visible(b)` slots. Tasks (row, kv head, run of kRunSlots) on torch's threads, each calling
@@ -512,33 +491,8 @@ at::Tensor rope_decode_attention(const at::Tensor& q, const at::Tensor& k, const
               "caches ", k_cache.sizes(), " do not match k ", k.sizes());
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == B, "positions must be (B,) int64");
   const auto pos = positions.contiguous();
-  const int64_t* pp = pos.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(pp[b] >= 0 && pp[b] < k_cache.size(2), "position ", pp[b], " is outside the cache's ",
-                k_cache.size(2), " slots");
-  // This step's slot of each row and kv head, in the caches' dtype (converted as index_put converts).
-  if (k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type() &&
-      k_cache.stride(3) == 1 && v_cache.stride(3) == 1) {
-    const auto vc = v.contiguous();
-    const int64_t size = k_cache.element_size();
-    auto* kd = static_cast<char*>(k_cache.data_ptr());
-    auto* vd = static_cast<char*>(v_cache.data_ptr());
-    const auto* ks = static_cast<const char*>(k_roped.const_data_ptr());
-    const auto* vs = static_cast<const char*>(vc.const_data_ptr());
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t g = 0; g < K; ++g) {
-        const int64_t src = (b * K + g) * D * size;
-        std::memcpy(kd + (b * k_cache.stride(0) + g * k_cache.stride(1) + pp[b] * k_cache.stride(2)) * size,
-                    ks + src, D * size);
-        std::memcpy(vd + (b * v_cache.stride(0) + g * v_cache.stride(1) + pp[b] * v_cache.stride(2)) * size,
-                    vs + src, D * size);
-      }
-  } else {
-    const auto slots = at::arange(B, pos.options());
-    using at::indexing::Slice;
-    k_cache.index_put_({slots, Slice(), pos}, k_roped.to(k_cache.scalar_type()));
-    v_cache.index_put_({slots, Slice(), pos}, v.to(v_cache.scalar_type()));
-  }
+  write_rows(k_roped, k_cache, pos.view({B, 1}));
+  write_rows(v.contiguous(), v_cache, pos.view({B, 1}));
   return decode_attention(q_roped, k_cache, v_cache, pos, scale, window);
 }
 

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cpu_attention.h"
 #include "library.h"
 
 #if defined(__AVX512F__)
@@ -39,20 +40,13 @@ constexpr int kKeys = 64;       // keys a block: a row's scores are 4 vectors
 constexpr int kPositions = 16;  // query positions a task (its rows: G heads each)
 constexpr int kRows = 4;        // rows a pass of either product
 
-// exp(x) for x <= 0 (scores minus their row's maximum), to ~1e-7 relative: 2^(x log2 e) as 2^n 2^f, f in
-// [-0.5, 0.5], 2^f by its Taylor series to degree 7 (as the decode kernel's `exp_nonpositive`).
+// `ember::exp_nonpositive` of 16 scores (each minus its row's maximum) at once: the same series.
 inline __m512 exp_nonpositive(__m512 x) {
   const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.525273e-05f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.540353e-04f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.333355e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129e-03f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550411e-02f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472e-01f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(ember::kExp2Series[0]);
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(ember::kExp2Series[i]));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -65,8 +59,7 @@ inline void in_register(__m512& v, V&... rest) {
   in_register(rest...);
 }
 
-// The first key a query at position p sees: 0, or with a sliding window the last `window` (p - window < key).
-inline int64_t first_visible(int64_t p, int64_t window) { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }
+using ember::first_visible;
 
 // One task's rows (r = i G + h: position i of the task, head h of the group), their running state.
 struct Rows {
