@@ -144,7 +144,10 @@ def test_a_compiled_prompt_takes_the_cpu_kernel_as_one_op(kernel):
     compiled = torch.compile(
         lambda q, k, v: prompt_attention(q, k, v, window=None, scale=0.25) * 2, dynamic=True, fullgraph=True
     )
+    compiled(*(torch.randn(1, 4, 39, 16) for _ in range(3)))  # traced and compiled here, not below
     for T in (40, 43):
         q, k, v = (torch.randn(1, 4, T, 16) for _ in range(3))
-        got = compiled(q, k, v)
+        with torch.profiler.profile() as prof:
+            got = compiled(q, k, v)
+        assert [e.name for e in prof.events()].count("ember_cpu::prompt_attention") == 1
         assert (got.double() - 2 * float64_attention(q, k, v, None, 0.25)).abs().max() <= 4e-6
