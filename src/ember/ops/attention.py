@@ -70,9 +70,13 @@ def cpu_kernel_runs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     )
 
 
-@torch.compiler.assume_constant_result  # a compiled graph asks once, as it is traced
 def _kernel_built() -> bool:
     return cpu_ext.has_op("prompt_attention")
+
+
+# A compiled graph asks once, as it is traced: the mark torch.compiler.assume_constant_result sets, set here
+# without the decorator, which imports all of dynamo (~1 s of every command's start, eager runs included).
+_kernel_built._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def prompt_attention(
