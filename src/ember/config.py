@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ember.errors import CheckpointError
 from ember.ops.rope import RopeConfig
 
 
@@ -71,28 +72,55 @@ class ModelConfig:
         return bool(self.num_experts) and (not self.moe_layers or self.moe_layers[layer])
 
 
-def _ids(value: object) -> tuple[int, ...]:
+def token_ids(value: object) -> tuple[int, ...]:
+    """An `eos_token_id` as configs write it (a token id, a list of them, or null); ValueError otherwise."""
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)  # type: ignore[union-attr]
+    ids = [value] if isinstance(value, int) else value
+    if not isinstance(ids, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ids
+    ):
+        raise ValueError(f"eos_token_id is {value!r}; expected a token id or a list of token ids")
+    return tuple(ids)
+
+
+# Rope variant -> the keys its frequencies are computed from (transformers refuses a config without them).
+_ROPE_REQUIRED = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "longrope": ("short_factor", "long_factor"),
+}
+# Variants scaled against the length the model was trained at, `original_max_position_embeddings`.
+_ORIGINAL_LENGTH_TYPES = ("llama3", "yarn", "longrope")
 
 
 def rope_from_hf(
-    hf: dict, *, head_dim: int, params: dict | None = None, partial_rotary: bool = False
+    hf: dict,
+    *,
+    head_dim: int,
+    params: dict | None = None,
+    source: str = "rope_parameters",
+    partial_rotary: bool = False,
 ) -> RopeConfig:
     """Reads rope settings in either spelling: transformers 5's `rope_parameters` or `rope_theta` + `rope_scaling`.
 
-    `params` picks one entry explicitly; otherwise a `rope_parameters` keyed by layer type (Gemma 3 in
-    transformers 5: {"full_attention": ..., "sliding_attention": ...}) yields its full-attention entry.
+    A config that carries both takes `rope_scaling`, as transformers does (it replaces `rope_parameters`).
+    `params` picks one entry explicitly (`source` names it in errors); otherwise a `rope_parameters` keyed by
+    layer type (Gemma 3 in transformers 5: {"full_attention": ..., "sliding_attention": ...}) yields its
+    full-attention entry. llama3, yarn and longrope scale against the trained length: a top-level
+    `original_max_position_embeddings` (Phi-3 saves it there) wins over the flat settings' own, as
+    transformers' `standardize_rope_params` has it; an entry keyed by layer type keeps its own; either falls
+    back to `max_position_embeddings`.
     `partial_rotary`: the family rotates `partial_rotary_factor` of each head (Phi-3); the others rotate all of
     it whatever the config says, as transformers does.
     """
+    flat = params is None
     if params is None:
-        params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        source = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+        params = hf.get(source) or {}
         if "full_attention" in params:
-            params = params["full_attention"]
+            params, source, flat = params["full_attention"] or {}, f"{source}['full_attention']", False
     p = dict(params)
     theta = p.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
     rope_type = p.pop("rope_type", None) or p.pop("type", None) or "default"
@@ -102,10 +130,13 @@ def rope_from_hf(
     if not partial_rotary:
         partial = 1.0
     max_pos = int(hf.get("max_position_embeddings") or 2048)
-    if rope_type in ("yarn", "longrope"):
-        p.setdefault(
-            "original_max_position_embeddings", hf.get("original_max_position_embeddings") or max_pos
-        )
+    missing = [k for k in _ROPE_REQUIRED.get(rope_type, ()) if p.get(k) is None]
+    if missing:
+        raise CheckpointError(f"{source} of rope type {rope_type!r} lacks {', '.join(map(repr, missing))}")
+    if rope_type in _ORIGINAL_LENGTH_TYPES:
+        top = hf.get("original_max_position_embeddings") if flat else None
+        if top or not p.get("original_max_position_embeddings"):
+            p["original_max_position_embeddings"] = int(top or max_pos)
     return RopeConfig(
         theta=float(theta),
         rotary_dim=int(head_dim * partial),
@@ -152,6 +183,6 @@ def common_fields(hf: dict, *, partial_rotary: bool = False) -> dict:
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         hidden_act=hf.get("hidden_act") or hf.get("hidden_activation") or "silu",
         bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=_ids(hf.get("eos_token_id")),
+        eos_token_ids=token_ids(hf.get("eos_token_id")),
         torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
     )

@@ -3,7 +3,8 @@ decode step, and the greedy continuation, on tiny random checkpoints saved as re
 
 Each case turns on its family's quirks: head_dim != hidden / heads, tied and untied embeddings, biases, q/k
 norms, soft-capping, sliding windows shorter than the prompt, local/global rope bases, rope scaling, MoE with
-dense layers in between, Granite's multipliers, OLMo 2's post-norms.
+dense layers in between, Granite's multipliers, OLMo 2's post-norms. Hand-edited config.json files (spellings
+transformers' own saves never write) are reloaded by both sides and compared the same way.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ CASES: dict[str, tuple[str, dict, int]] = {
         dict(use_sliding_window=True, sliding_window=6, max_window_layers=2),
         4,
     ),
-    "qwen3-moe-normalized-sparse-step": (
+    # Qwen3-MoE windows every layer, whatever max_window_layers says (Qwen2 / Qwen3 start there).
+    "qwen3-moe-normalized-sparse-step-window": (
         "Qwen3Moe",
         dict(
             head_dim=16,
@@ -88,13 +90,17 @@ CASES: dict[str, tuple[str, dict, int]] = {
             moe_intermediate_size=24,
             norm_topk_prob=True,
             decoder_sparse_step=2,
+            use_sliding_window=True,
+            sliding_window=6,
+            max_window_layers=2,
         ),
         5,
     ),
-    "gemma2": (
+    "gemma2-bias": (
         "Gemma2",
         dict(
             head_dim=32,
+            attention_bias=True,
             query_pre_attn_scalar=24,
             sliding_window=6,
             attn_logit_softcapping=5.0,
@@ -102,10 +108,11 @@ CASES: dict[str, tuple[str, dict, int]] = {
         ),
         4,
     ),
-    "gemma3-linear-rope": (
+    "gemma3-linear-rope-bias": (
         "Gemma3Text",
         dict(
             head_dim=32,
+            attention_bias=True,
             sliding_window=6,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters=dict(
@@ -151,16 +158,15 @@ CASES: dict[str, tuple[str, dict, int]] = {
 }
 
 
-def _reference(case: str) -> transformers.PreTrainedModel:
-    arch, extra, _ = CASES[case]
+def _reference(arch: str, config: dict) -> transformers.PreTrainedModel:
     config_cls = getattr(transformers, f"{arch}Config")
     model_cls = getattr(transformers, f"{arch.removesuffix('Text')}ForCausalLM")
-    config = config_cls(**{**BASE, **extra}, attn_implementation="eager")
-    model = model_cls(config).eval()
-    # Random init leaves norms at their identity; perturb them so a misplaced or missing norm shows.
+    model = model_cls(config_cls(**config, attn_implementation="eager")).eval()
+    # Random init leaves norms at their identity and biases at zero; perturb them so a misplaced or missing one
+    # shows.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
+            if "norm" in name or name.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.2)
     return model
 
@@ -168,7 +174,8 @@ def _reference(case: str) -> transformers.PreTrainedModel:
 @pytest.fixture(scope="module", params=sorted(CASES))
 def pair(request, tmp_path_factory):
     torch.manual_seed(0)
-    ref = _reference(request.param)
+    arch, extra, _ = CASES[request.param]
+    ref = _reference(arch, {**BASE, **extra})
     path = tmp_path_factory.mktemp(request.param)
     ref.save_pretrained(path)
     model = load_hf_dir(path)
@@ -232,19 +239,78 @@ STRUCTURAL = {
 @torch.no_grad()
 def test_keys_a_config_leaves_out_take_the_transformers_class_defaults(arch, extra, tmp_path):
     torch.manual_seed(0)
-    config_cls = getattr(transformers, f"{arch}Config")
-    model_cls = getattr(transformers, f"{arch.removesuffix('Text')}ForCausalLM")
-    keys = {k: BASE[k] for k in STRUCTURAL & BASE.keys()}
-    ref = model_cls(config_cls(**keys, **extra, attn_implementation="eager")).eval()
-    for name, p in ref.named_parameters():
-        if "norm" in name:
-            p.add_(torch.randn_like(p) * 0.2)
+    ref = _reference(arch, {**{k: BASE[k] for k in STRUCTURAL & BASE.keys()}, **extra})
     ref.save_pretrained(tmp_path)
     path = tmp_path / "config.json"
     path.write_text(json.dumps({k: v for k, v in json.loads(path.read_text()).items() if k in STRUCTURAL}))
     model = load_hf_dir(tmp_path)
     ids = torch.randint(3, BASE["vocab_size"], (1, PROMPT))
     assert (run_cached(model, ids, split=PROMPT, max_seq_len=MAX_SEQ) - ref(ids).logits).abs().max() <= 1e-4
+
+
+def _without(*keys: str):
+    return lambda d: {k: v for k, v in d.items() if k not in keys}
+
+
+_LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
+_GEMMA3_ROPE = dict(
+    full_attention=dict(rope_type="default", rope_theta=5e5),
+    sliding_attention=dict(rope_type="default", rope_theta=1e4),
+)
+# case -> (transformers architecture, config overrides, edit of the saved config.json)
+JSON_EDITS = {
+    # transformers reads rope_scaling over rope_parameters (Gemma 3: into its full-attention entry)...
+    "llama-rope_scaling-beside-rope_parameters": (
+        "Llama",
+        dict(),
+        lambda d: {**d, "rope_scaling": dict(rope_type="linear", factor=4.0)},
+    ),
+    "gemma3-rope_scaling-beside-rope_parameters": (
+        "Gemma3Text",
+        dict(head_dim=32, sliding_window=6, sliding_window_pattern=2, rope_parameters=_GEMMA3_ROPE),
+        lambda d: {**d, "rope_scaling": dict(rope_type="linear", factor=4.0)},
+    ),
+    # ... and a top-level original_max_position_embeddings over (or into) llama3 settings, in either spelling.
+    "llama3-top-level-original-length": (
+        "Llama",
+        dict(rope_parameters=dict(_LLAMA3_ROPE, rope_theta=1e4)),
+        lambda d: {**d, "original_max_position_embeddings": 16},
+    ),
+    "llama3-rope_scaling-top-level-original-length": (
+        "Llama",
+        dict(),
+        lambda d: {
+            **_without("rope_parameters")(d),
+            "rope_theta": 1e4,
+            "rope_scaling": _LLAMA3_ROPE,
+            "original_max_position_embeddings": 16,
+        },
+    ),
+    # Qwen2 / Qwen3 slide from layer 28 on (transformers' default) where max_window_layers is left out.
+    "qwen2-window-without-max_window_layers": (
+        "Qwen2",
+        dict(use_sliding_window=True, sliding_window=6),
+        _without("max_window_layers", "layer_types"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(JSON_EDITS))
+@torch.no_grad()
+def test_edited_config_json_is_read_as_transformers_reads_it(case, tmp_path):
+    arch, extra, edit = JSON_EDITS[case]
+    torch.manual_seed(0)
+    _reference(arch, {**BASE, **extra}).save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", dtype=torch.float32
+    )
+    model = load_hf_dir(tmp_path)
+    ids = torch.randint(3, BASE["vocab_size"], (1, PROMPT))
+    expected = ref(ids).logits
+    for split in (PROMPT, 5):
+        assert (run_cached(model, ids, split=split, max_seq_len=MAX_SEQ) - expected).abs().max() <= 1e-4
 
 
 def test_config_keys_that_change_outputs_are_read_as_transformers_reads_them(tmp_path):
@@ -266,7 +332,18 @@ def test_config_keys_that_change_outputs_are_read_as_transformers_reads_them(tmp
     gemma = {**base, "head_dim": 32, "attn_logit_softcapping": 5.0}
     assert config_from_hf({**gemma, "architectures": ["Gemma3ForCausalLM"]}).attn_logit_softcap is None
     assert config_from_hf({**gemma, "architectures": ["Gemma2ForCausalLM"]}).attn_logit_softcap == 5.0
+    # Qwen: a window of 4096 where use_sliding_window leaves it out; Qwen3-MoE windows every layer regardless of
+    # max_window_layers and layer_types.
+    qwen = {**base, "head_dim": 32, "use_sliding_window": True, "max_window_layers": 1}
+    assert config_from_hf({**qwen, "architectures": ["Qwen3ForCausalLM"]}).layer_windows == (None, 4096, 4096)
+    moe = {**qwen, "architectures": ["Qwen3MoeForCausalLM"], "layer_types": ["full_attention"] * 3}
+    moe.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    assert config_from_hf(moe).layer_windows == (4096,) * 3
     # What Ember cannot run is one line naming the key, not a silent change of outputs or a ValueError.
+    with pytest.raises(CheckpointError, match="rope_scaling of rope type 'linear' lacks 'factor'"):
+        config_from_hf({**base, "rope_scaling": {"rope_type": "linear"}})
+    with pytest.raises(CheckpointError, match="rope_parameters of rope type 'llama3' lacks 'factor'"):
+        config_from_hf({**base, "rope_parameters": {k: v for k, v in _LLAMA3_ROPE.items() if k != "factor"}})
     with pytest.raises(UnsupportedArchitectureError, match="use_bidirectional_attention"):
         config_from_hf({**gemma, "architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True})
     with pytest.raises(UnsupportedArchitectureError, match="rope type 'proportional'"):

@@ -2,10 +2,12 @@
 
 Both: RMSNorm weight stored as w and applied as (1 + w); a norm before and after attention and MLP
 ("sandwich"); GeGLU (tanh-approximated GELU gate); embeddings scaled by sqrt(hidden); queries scaled by
-`query_pre_attn_scalar` ** -0.5 rather than head_dim ** -0.5; local sliding-window layers between global ones.
+`query_pre_attn_scalar` ** -0.5 rather than head_dim ** -0.5; local sliding-window layers between global ones;
+biases on q/k/v/o where `attention_bias` says so (as Llama).
 Gemma 2: tanh soft-capping of attention and final logits; local and global layers alternate.
 Gemma 3: RMSNorm on q and k per head (no soft-capping); five local layers per global one, and local layers use
-their own rope base (10k) while global ones use 1M, possibly with scaling.
+their own rope base (10k) while global ones use 1M, possibly with scaling (`rope_scaling` updates the global
+settings in place, as in transformers).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ember.ops.rope import RopeConfig
 def _gemma_fields(hf: dict, default_period: int) -> dict:
     fields = common_fields(hf)
     n = fields["num_layers"]
+    bias = bool(hf.get("attention_bias", False))
     if hf.get("layer_types") is None and hf.get("sliding_window"):
         # Hub configs predating `layer_types`: every `period`-th layer is global, the others local.
         period = int(hf.get("sliding_window_pattern") or default_period)
@@ -25,6 +28,8 @@ def _gemma_fields(hf: dict, default_period: int) -> dict:
         hf = {**hf, "layer_types": types}
     return dict(
         fields,
+        qkv_bias=bias,
+        o_bias=bias,
         # Gemma calls it hidden_activation; older configs also carry a stale hidden_act.
         hidden_act=hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh",
         norm_placement="sandwich",  # Gemma: norms around both attention and MLP
@@ -43,10 +48,20 @@ def gemma2_config(hf: dict) -> ModelConfig:
     )
 
 
+def _gemma3_rope_parameters(hf: dict) -> dict:
+    # Gemma 3 (as transformers reads it): rope parameters keyed by layer type, with `rope_scaling` updating the
+    # full-attention entry rather than replacing it.
+    params = hf.get("rope_parameters") or {}
+    full = (params["full_attention"] or {}) if "full_attention" in params else params
+    full = {**full, **(hf.get("rope_scaling") or {})}
+    return {"full_attention": full, "sliding_attention": params.get("sliding_attention")}
+
+
 def _local_rope(hf: dict, head_dim: int) -> RopeConfig:
     params = hf.get("rope_parameters") or {}
-    if "sliding_attention" in params:  # transformers 5: rope parameters keyed by layer type
-        return rope_from_hf(hf, head_dim=head_dim, params=params["sliding_attention"])
+    if params.get("sliding_attention"):  # transformers 5: rope parameters keyed by layer type
+        source = "rope_parameters['sliding_attention']"
+        return rope_from_hf(hf, head_dim=head_dim, params=params["sliding_attention"], source=source)
     theta = hf.get("rope_local_base_freq") or 10000.0
     return rope_from_hf(hf, head_dim=head_dim, params={"rope_theta": theta, "rope_type": "default"})
 
@@ -56,6 +71,7 @@ def gemma3_config(hf: dict) -> ModelConfig:
         raise ValueError(
             "use_bidirectional_attention (an embedding model) is not supported: Ember decodes causally"
         )
+    hf = {**hf, "rope_parameters": _gemma3_rope_parameters(hf), "rope_scaling": None}
     fields = _gemma_fields(hf, default_period=6)
     return ModelConfig(
         **fields,

@@ -13,12 +13,8 @@ from ember.models.registry import Family, register
 
 
 def phi3_config(hf: dict) -> ModelConfig:
-    scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
-    if hf.get("original_max_position_embeddings") and scaling:
-        # Phi-3: the top-level original length wins over one inside the rope settings (as in transformers).
-        key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
-        scaling = {**scaling, "original_max_position_embeddings": hf["original_max_position_embeddings"]}
-        hf = {**hf, key: scaling}
+    # Phi-3: the top-level `original_max_position_embeddings` (4096 when absent) is the LongRoPE threshold; the
+    # generic rope config lets it win over one inside the rope settings, as transformers does.
     fields = common_fields(hf, partial_rotary=True)
     # Phi-3: the sliding window (when the config sets one) applies to every layer.
     return ModelConfig(**fields, layer_windows=layer_windows(hf, fields["num_layers"]))
