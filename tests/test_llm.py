@@ -98,6 +98,13 @@ def test_chat_takes_the_servers_message_forms(llm):
             r"^params=\[.* is invalid; expected an ember.SamplingParams",
         ),
         (lambda llm: list(llm.stream("Hi", ember.SamplingParams(n=2))), "^n=2 is invalid for a stream"),
+        # the stream path checked no ids: torch's IndexError from the embedding
+        (lambda llm: list(llm.stream([5, 10**9])), r"^prompt token id 1000000000 is outside the vocabulary"),
+        (
+            lambda llm: list(llm.stream_ids([-1])),
+            r"^prompt token id -1 is outside the vocabulary \[0, 49152\)",
+        ),
+        (lambda llm: llm.encode_prompt("\udcc3("), r"^the prompt is not valid UTF-8 text \(byte 0xc3"),
     ],
 )
 def test_bad_prompts_and_params_are_named(llm, call, match):

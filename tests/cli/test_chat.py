@@ -61,3 +61,23 @@ def test_ctrl_c_stops_the_answer_and_keeps_the_chat(tiny_llama_dir):
     out, err = proc.communicate("/quit\n", 60)
     assert proc.returncode == 0, err
     assert "[stopped]" in seen + out
+
+
+def test_a_line_that_is_not_utf8_is_refused_and_the_chat_goes_on(tiny_llama_dir):
+    # Under a UTF-8 locale without Python's UTF-8 mode, stdin decodes strictly: such a line used to end the chat
+    # with "internal error (UnicodeDecodeError ...)" (under the C locale, with a TypeError from the tokenizer).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "LC_ALL": "C.UTF-8", "PYTHONUTF8": "0"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ember.cli.main", "chat", str(tiny_llama_dir), "--max-new-tokens", "6"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    out, err = proc.communicate(b"caf\xe9\n/system \xff\nHello there\n/quit\n", 120)
+    err_text = err.decode()
+    assert proc.returncode == 0, err_text
+    assert "error: the message is not valid UTF-8 text (byte 0xe9 at character 3)" in err_text
+    assert "error: the system message is not valid UTF-8 text (byte 0xff at character 0)" in err_text
+    answers = [segment for segment in out.decode().split("> ") if segment]
+    assert len(answers) == 1 and answers[0].endswith("\n"), out  # "Hello there" was answered

@@ -274,3 +274,101 @@ def test_api_rejects_a_context_below_one_token():
 def test_unusable_device_is_one_clear_line(capsys, device, message):
     code, _, err = run_cli(capsys, "bench", "--random-weights", "tiny", "--device", device)
     assert_one_line_error(code, err, message)
+
+
+def test_a_prompt_that_is_not_utf8_is_one_clear_line(capsys, tiny_llama_dir):
+    # Python reads argv bytes that are not UTF-8 as lone surrogates (U+DC80 + the byte); the tokenizer takes
+    # none, and this used to end as "internal error (TypeError ...)".
+    args = ["generate", "caf\udce9 au lait", "--model", str(tiny_llama_dir), "--max-new-tokens", "2"]
+    code, _, err = run_cli(capsys, *args, "--no-chat")
+    assert_one_line_error(code, err, "the prompt is not valid UTF-8 text (byte 0xe9 at character 3)")
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", str(tiny_llama_dir), "--system", "\udcff")
+    assert_one_line_error(code, err, "--system is not valid UTF-8 text (byte 0xff at character 0)")
+
+
+def _ember(*args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ember.cli.main", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
+
+
+@pytest.mark.slow
+def test_a_reader_that_leaves_early_ends_the_command_quietly(tiny_llama_dir):
+    # `ember generate ... | head -c 1`: stdout's pipe closes under the streamed text.
+    proc = _ember(
+        "generate", "hello", "--model", str(tiny_llama_dir), "--no-chat", "--max-new-tokens", "64",
+        "--temperature", "0",
+    )  # fmt: skip
+    proc.stdout.close()  # the reader leaves before the first token
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141, err  # 128 + SIGPIPE, as a process the signal ends
+    assert "error" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_command_starts_is_no_traceback():
+    # Importing torch and the subcommands takes seconds; Ctrl-C then used to print the import's traceback.
+    import signal
+    import time
+
+    proc = _ember("generate", "hello", "--max-new-tokens", "2")
+    time.sleep(0.8)  # inside the imports (torch alone takes longer than this)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+@pytest.mark.parametrize("repo_id", ["", "a/b/c", "../etc"])
+def test_download_of_a_malformed_repo_id_is_one_clear_line(capsys, repo_id):
+    code, _, err = run_cli(capsys, "download", repo_id)
+    assert_one_line_error(code, err, f"{repo_id!r} is not a Hugging Face repo id; expected OWNER/NAME")
+
+
+def test_an_empty_model_name_is_refused_not_read_as_the_default(capsys):
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", "")
+    assert_one_line_error(code, err, "the model name '' is empty")
+    from ember.errors import EmberError
+    from ember.llm import LLM
+
+    with pytest.raises(EmberError, match="the model name '' is empty"):
+        LLM("")
+    with pytest.raises(EmberError, match="quantization '' is not supported"):
+        LLM(quantize="")  # not "no scheme": refused before the model loads
+
+
+def _broken_copy(tmp_path, tiny_llama_dir):
+    path = tmp_path / "broken"
+    shutil.copytree(tiny_llama_dir, path)
+    return path
+
+
+@pytest.mark.parametrize(
+    "eos, message",
+    [("x", "eos_token_id is 'x'; expected a token id"), ([2, "two"], "eos_token_id is [2, 'two']")],
+)
+def test_a_malformed_eos_token_id_names_the_file(capsys, tmp_path, tiny_llama_dir, eos, message):
+    path = _broken_copy(tmp_path, tiny_llama_dir)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", str(path), "--max-new-tokens", "2")
+    assert_one_line_error(code, err, f"{path / 'generation_config.json'}: {message}")
+
+
+def test_a_shard_index_that_names_no_file_is_one_clear_line(capsys, tmp_path, tiny_llama_dir):
+    path = _broken_copy(tmp_path, tiny_llama_dir)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": 5}}))
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", str(path), "--max-new-tokens", "2")
+    assert_one_line_error(code, err, "weight_map['lm_head.weight'] is 5; expected the name of a shard file")
+
+
+def test_a_pickle_that_is_no_state_dict_is_one_clear_line(capsys, tmp_path, tiny_llama_dir):
+    path = _broken_copy(tmp_path, tiny_llama_dir)
+    (path / "model.safetensors").unlink()
+    torch.save([1, 2, 3], path / "pytorch_model.bin")
+    args = ["generate", "hi", "--model", str(path), "--max-new-tokens", "2", "--allow-pickle"]
+    code, _, err = run_cli(capsys, *args)
+    assert_one_line_error(code, err, "pytorch_model.bin holds a list, not a state dict")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ember.bench import random_model
-from ember.engine.aoti import AOTIDecodeStep
+from ember.engine.aoti import AOTIDecodeStep, package_path
 from ember.engine.generate import Generator
 from ember.engine.sampler import SamplingParams
 from ember.quant import quantize_model
@@ -68,6 +68,24 @@ def test_unasked_without_a_package_decodes_eagerly_and_builds_none(tmp_path, mon
     assert greedy(unasked, prompt, 6) == greedy(Generator(model, device=CPU, context=64), prompt, 6)
     assert unasked.decode_step == "eager" and not unasked.compiled
     assert not (tmp_path / "aoti").exists() or not list((tmp_path / "aoti").iterdir())
+
+
+def test_a_package_that_does_not_load_is_removed_not_tried_every_run(tmp_path, monkeypatch, caplog):
+    # A truncated or foreign file where the package lies used to be warned about on every run and never
+    # replaced (compile=True only builds where nothing lies), so --compile stayed broken until it was deleted.
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    model = tiny(None)
+    path = package_path(model, torch.float32)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"not a zip archive")
+    prompt = torch.randint(0, model.config.vocab_size, (7,)).tolist()
+    with caplog.at_level(logging.WARNING, logger="ember.engine"):
+        unasked = Generator(model, device=CPU, context=64, compile=None)  # tries what lies there
+        tokens = greedy(unasked, prompt, 6)
+    assert tokens == greedy(Generator(model, device=CPU, context=64), prompt, 6)
+    assert unasked.decode_step == "eager"
+    assert f"the compiled decode step {path} does not load" in caplog.text and "removed" in caplog.text
+    assert not path.exists()  # the next --compile run builds it again
 
 
 @pytest.mark.slow

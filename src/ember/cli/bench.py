@@ -70,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
     kept = 0
     # Refused before a model is built (one of real size can take minutes); argparse checked the scheme.
     if args.random_weights:
-        given = args.model_option or args.model
-        if given:
+        given = args.model_option if args.model_option is not None else args.model
+        if given is not None:
             raise EmberError(
                 f"--random-weights {args.random_weights} benchmarks random weights, not a checkpoint; "
                 f"drop the model {given!r} or --random-weights"

@@ -10,8 +10,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ember.cli.common import add_model_options, add_sampling_options, load_llm, sampling_params
+from ember.cli.common import (
+    add_model_options,
+    add_sampling_options,
+    load_llm,
+    sampling_params,
+    stdin_keeps_bad_bytes,
+)
 from ember.errors import EmberError
+from ember.tokenizer.tokenizer import check_text
 
 HELP = "commands: /reset, /system TEXT, /quit"
 
@@ -34,6 +41,8 @@ def fit_history(llm, system: list[dict], turns: list[dict], room: int) -> tuple[
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.system:
+        check_text(args.system, "--system")
     llm = load_llm(args)
     if llm.tokenizer.chat_template is None:
         raise EmberError(
@@ -43,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     turns: list[dict] = []
     print(f"ember chat with {llm.loaded.name} ({HELP})", file=sys.stderr)
+    stdin_keeps_bad_bytes()
     while True:
         try:
             line = input("> ")
@@ -60,12 +70,22 @@ def run(args: argparse.Namespace) -> int:
             continue
         if text.startswith("/system"):
             content = text[len("/system") :].strip()
+            try:
+                check_text(content, "the system message")
+            except EmberError as e:
+                print(f"error: {e}", file=sys.stderr)
+                continue
             system = [{"role": "system", "content": content}] if content else []
             turns = []
             print("(system message set, history cleared)", file=sys.stderr)
             continue
         if text.startswith("/"):
             print(f"unknown command {text.split()[0]!r}; {HELP}", file=sys.stderr)
+            continue
+        try:
+            check_text(line, "the message")
+        except EmberError as e:  # this line only: the chat goes on
+            print(f"error: {e}", file=sys.stderr)
             continue
         turns.append({"role": "user", "content": line})
         turns, prompt_ids = fit_history(llm, system, turns, params.max_tokens or 0)

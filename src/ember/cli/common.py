@@ -54,6 +54,14 @@ def number(minimum: float, *, inclusive: bool):
     return parse
 
 
+def stdin_keeps_bad_bytes() -> None:
+    """Standard input read as argv is: UTF-8, each byte that is not UTF-8 kept as a lone surrogate (U+DC80 + the
+    byte) rather than a UnicodeDecodeError ending the command, so that `check_text` can name it."""
+    reconfigure = getattr(sys.stdin, "reconfigure", None)
+    if reconfigure is not None:
+        reconfigure(encoding="utf-8", errors="surrogateescape")
+
+
 def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = False) -> None:
     if positional:
         parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help="same as --model")
@@ -116,7 +124,12 @@ def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = Fal
 
 
 def model_name(args: argparse.Namespace) -> str:
-    return args.model_option or getattr(args, "model", None) or DEFAULT_MODEL
+    """--model, else the positional MODEL, else the default; an empty one given is kept (the loader refuses
+    it by name), not read as "not given"."""
+    for given in (args.model_option, getattr(args, "model", None)):
+        if given is not None:
+            return given
+    return DEFAULT_MODEL
 
 
 def add_sampling_options(parser: argparse.ArgumentParser) -> None:

@@ -26,11 +26,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     repo_id = ALIASES[args.repo_id].repo_id if args.repo_id in ALIASES else args.repo_id
     try:
         path = snapshot_download(repo_id, revision=args.revision, token=args.token, allow_patterns=PATTERNS)
+    except HFValidationError:
+        raise EmberError(
+            f"{repo_id!r} is not a Hugging Face repo id; expected OWNER/NAME (letters, digits, '-', '_', '.'), "
+            "such as HuggingFaceTB/SmolLM2-360M-Instruct, or an alias from `ember list`"
+        ) from None
     except RepositoryNotFoundError:
         raise EmberError(
             f"repo {repo_id!r} not found on the Hugging Face Hub (or it is gated: pass --token)"

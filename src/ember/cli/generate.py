@@ -8,8 +8,15 @@ import logging
 import sys
 import time
 
-from ember.cli.common import add_model_options, add_sampling_options, load_llm, sampling_params
+from ember.cli.common import (
+    add_model_options,
+    add_sampling_options,
+    load_llm,
+    sampling_params,
+    stdin_keeps_bad_bytes,
+)
 from ember.engine.generate import check_fits
+from ember.tokenizer.tokenizer import check_text
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +33,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.prompt == "-":
+        stdin_keeps_bad_bytes()
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    check_text(prompt)
+    if args.system is not None:
+        check_text(args.system, "--system")
     llm = load_llm(args)
     params = sampling_params(args, llm.loaded.generation_defaults)
     chat = not args.no_chat

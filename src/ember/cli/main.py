@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import signal
 import sys
 
 SUBCOMMANDS = ("generate", "chat", "serve", "browser", "list", "download", "bench")
@@ -26,8 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:  # Ctrl-C while torch and the subcommands import (seconds) is an exit too, not a traceback
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
@@ -42,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader of stdout left (`ember generate ... | head -c 10`): stop quietly, as a process killed by
+        # SIGPIPE does, and send what is still buffered nowhere, so that the exit flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except Exception as e:
         if args.verbose:
             raise

@@ -182,19 +182,36 @@ def package_path(model: Decoder, dtype: torch.dtype) -> Path:
     return cache_dir() / f"decode-{package_key(model, dtype)}.pt2"
 
 
-def load_decode_step(model: Decoder, cache: StaticKVCache) -> AOTIDecodeStep:
-    """The AOTInductor decode step for `model`'s shape over caches like `cache`; compiled on first use."""
+def load_decode_step(model: Decoder, cache: StaticKVCache, *, build: bool = True) -> AOTIDecodeStep:
+    """The AOTInductor decode step for `model`'s shape over caches like `cache`; with `build`, compiled on first
+    use. A package on disk that does not load (truncated, or not a package) is removed, so that it is built
+    again (now, with `build`; else by the next run that asks to compile) instead of failing every run."""
     path = package_path(model, cache.k[0].dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if not path.exists():
+    if path.exists():
         start = time.perf_counter()
-        # Minutes of silence otherwise: say so once, at the level the CLI shows by default.
-        log.warning(
-            "compiling the decode step ahead of time (once per model shape; a few minutes) into %s", path
-        )
-        compile_decode_step(model, cache, path)
-        log.info("AOTInductor decode step compiled in %.1f s", time.perf_counter() - start)
+        try:
+            step = AOTIDecodeStep(model, path)
+        except Exception as e:  # the loader raises RuntimeError and others for a bad archive
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            log.warning(
+                "the compiled decode step %s does not load (%s: %s); removed%s",
+                path,
+                type(e).__name__,
+                first,
+                ", compiling it again" if build else "",
+            )
+            path.unlink(missing_ok=True)
+            if not build:
+                raise
+        else:
+            log.info("AOTInductor decode step loaded from %s in %.3f s", path, time.perf_counter() - start)
+            return step
+    if not build:
+        raise FileNotFoundError(f"no compiled decode step at {path}")
     start = time.perf_counter()
-    step = AOTIDecodeStep(model, path)
-    log.info("AOTInductor decode step loaded from %s in %.3f s", path, time.perf_counter() - start)
-    return step
+    # Minutes of silence otherwise: say so once, at the level the CLI shows by default.
+    log.warning("compiling the decode step ahead of time (once per model shape; a few minutes) into %s", path)
+    compile_decode_step(model, cache, path)
+    log.info("AOTInductor decode step compiled in %.1f s", time.perf_counter() - start)
+    return AOTIDecodeStep(model, path)

@@ -19,6 +19,7 @@ import torch
 from ember.config import ModelConfig
 from ember.engine.block_manager import BlockManager
 from ember.engine.cpu_step import EagerCpuStep
+from ember.engine.generate import check_prompt_ids
 from ember.engine.output import TextAssembler
 from ember.engine.paged_cache import PagedBatch, PagedKVCache
 from ember.engine.request import Request, RequestUpdate, Status
@@ -271,9 +272,7 @@ class EngineCore:
                 f"prompt ({n} tokens) plus max_tokens needs {total} tokens of KV cache, which holds {capacity}"
             )
         V = self.loaded.config.vocab_size
-        bad = [t for t in prompt_ids if not 0 <= t < V]
-        if bad:
-            raise InvalidParameterError(f"prompt token id {bad[0]} is outside the vocabulary [0, {V})")
+        check_prompt_ids(prompt_ids, V)
         # Checked here, not in the engine step, where one bad request would fail the whole batch.
         bad = [t for t in params.logit_bias if not 0 <= int(t) < V]
         if bad:

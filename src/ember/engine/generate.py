@@ -117,6 +117,14 @@ def check_fits(prompt_tokens: int, max_tokens: int | None, context: int, *, name
     return max_tokens
 
 
+def check_prompt_ids(prompt_ids: list[int], vocab_size: int) -> None:
+    """Raises InvalidParameterError naming the first prompt token id outside [0, vocab_size): a tokenizer with
+    more tokens than the model's embedding, or ids given as they are."""
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidParameterError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+
 def _own_code(method: Callable) -> Callable:
     """A bound method over a copy of its function's code object: torch.compile's cache (its graphs, and the
     recompiles counted against its limit) lives on the code object, so this one starts empty and goes with it."""
@@ -346,7 +354,8 @@ class Generator:
         from ember.engine.aoti import load_decode_step
 
         try:
-            self._decode = load_decode_step(self.model, cache)
+            # Built only when asked to compile; without the flag, a package an earlier run built, if it loads.
+            self._decode = load_decode_step(self.model, cache, build=self.compiled)
             self._aoti = True
         except Exception as e:  # export, inductor and the C++ compiler fail in many ways; each is logged
             reason = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -386,8 +395,9 @@ class Generator:
         generator: torch.Generator | None,
     ) -> Iterator[TokenStep]:
         budget = check_fits(len(prompt), params.max_tokens, self.context)
-        cache = self._cache_for(len(prompt) + budget)
         V = self.model.config.vocab_size
+        check_prompt_ids(prompt, V)
+        cache = self._cache_for(len(prompt) + budget)
         st = SamplingTensors.build([params], V, self.device)
         gen = generator if generator is not None else make_generator(params.seed, self.device)
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids))

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ember import huge_pages
-from ember.config import ModelConfig
+from ember.config import ModelConfig, token_ids
 from ember.errors import CheckpointError, EmberError
 from ember.loading.hub import ResolvedModel, resolve
 from ember.loading.safetensors import (
@@ -91,10 +91,11 @@ def _generation_config(directory: Path) -> dict:
     return read_json(path) if path.is_file() else {}
 
 
-def _ids(value: object) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return (int(value),) if isinstance(value, int) else tuple(int(v) for v in value)  # type: ignore[union-attr]
+def _ids(value: object, where: str) -> tuple[int, ...]:
+    try:
+        return token_ids(value)
+    except ValueError as e:
+        raise CheckpointError(f"{where}: {e}") from None
 
 
 def source_files(resolved: ResolvedModel) -> list[Path]:
@@ -138,6 +139,10 @@ def load(
     cache (`ember.quant.cache`), so the float weights are read and quantized once per checkpoint and scheme.
     """
     start = time.perf_counter()
+    if quantize is not None and quantize != "none":
+        from ember.quant import QuantSpec
+
+        QuantSpec.parse(quantize)  # an unknown scheme (or "") is refused before anything is read
     resolved: ResolvedModel = resolve(name)
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
@@ -157,7 +162,7 @@ def load(
         cfg = config_from_hf(hf)
         family = get_family(cfg.architecture)
         tokenizer = Tokenizer.from_gguf(reader)
-        extra_eos = _ids(hf.get("eos_token_id"))
+        extra_eos = _ids(hf.get("eos_token_id"), str(resolved.path))
 
         def weights() -> WeightSource:
             # Quantizing: one GGUF tensor dequantized at a time. Float: all at once, on several threads.
@@ -171,7 +176,7 @@ def load(
         family = get_family(cfg.architecture)
         tokenizer = Tokenizer.from_dir(resolved.path)
         gen = _generation_config(resolved.path)
-        extra_eos = _ids(gen.get("eos_token_id"))
+        extra_eos = _ids(gen.get("eos_token_id"), str(resolved.path / "generation_config.json"))
         gen_defaults = {
             k: gen[k]
             for k in ("temperature", "top_p", "top_k", "repetition_penalty")

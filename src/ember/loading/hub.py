@@ -139,6 +139,11 @@ def is_present(spec: ModelSpec) -> Path | None:
 def resolve(name: str | Path) -> ResolvedModel:
     """Finds the files for `name`; raises ModelNotFoundError naming what was tried."""
     text = str(name)
+    if not text.strip():  # Path("") is the current directory: never what an empty name meant
+        raise ModelNotFoundError(
+            f"the model name {text!r} is empty; expected an alias (`ember list`), a directory, a .gguf file "
+            "or a cached repo id"
+        )
     path = Path(text).expanduser()
     if text in ALIASES:
         spec = ALIASES[text]

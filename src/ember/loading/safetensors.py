@@ -61,6 +61,11 @@ class SafetensorsSource:
             weight_map = read_json(index).get("weight_map")
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index}: no 'weight_map' object")
+            for name, shard in weight_map.items():
+                if not isinstance(shard, str):
+                    raise CheckpointError(
+                        f"{index}: weight_map[{name!r}] is {shard!r}; expected the name of a shard file"
+                    )
             files = sorted({directory / f for f in weight_map.values()})
             missing = [str(f) for f in files if not f.is_file()]
             if missing:
@@ -92,6 +97,12 @@ class SafetensorsSource:
                 state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
             except Exception as e:  # torch raises many types for a bad or unsafe pickle
                 raise CheckpointError(f"{file}: cannot load with weights_only=True ({e})") from None
+            if not isinstance(state, dict) or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+            ):
+                raise CheckpointError(
+                    f"{file} holds a {type(state).__name__}, not a state dict (tensor names -> tensors)"
+                )
             self._pickled.update(state)
 
     def names(self) -> set[str]:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer as FastTokenizer
 
-from ember.errors import TokenizerError
+from ember.errors import InvalidParameterError, TokenizerError
 from ember.tokenizer.chat_template import render_chat_template
 from ember.tokenizer.gguf_vocab import bos_eos_processor, gguf_source, vocab_from_gguf
 from ember.tokenizer.stream import StreamDecoder
@@ -146,7 +146,10 @@ class Tokenizer:
         """Token ids of `text`; `add_special_tokens` adds BOS/EOS as the tokenizer is configured to.
 
         Special-token strings inside `text` (e.g. "<|im_start|>") become their single ids, as in transformers.
+        Text that is not Unicode (a lone surrogate, as Python decodes bytes that are not UTF-8 from the command
+        line or a pipe) raises InvalidParameterError.
         """
+        check_text(text)
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -192,6 +195,22 @@ class Tokenizer:
 
 
 # ------------------------------------------------------------------------------------------------- helpers
+
+
+def check_text(text: object, what: str = "the prompt") -> None:
+    """Raises InvalidParameterError unless `text` is a str that UTF-8 can hold: Python reads bytes that are not
+    UTF-8 (from argv, or a pipe under the C locale) as lone surrogates, U+DC80 + the byte, which no tokenizer
+    takes."""
+    if not isinstance(text, str):
+        raise InvalidParameterError(f"{what} is a {type(text).__name__}; expected a string")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        char = ord(text[e.start])
+        found = f"byte 0x{char - 0xDC00:02x}" if 0xDC80 <= char <= 0xDCFF else f"lone surrogate U+{char:04X}"
+        raise InvalidParameterError(
+            f"{what} is not valid UTF-8 text ({found} at character {e.start}); expected UTF-8"
+        ) from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
