@@ -4,6 +4,8 @@ twins, the modules that use them against torch's kernels, and the fallback when 
 from __future__ import annotations
 
 import logging
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -717,6 +719,22 @@ def test_bad_operands_are_refused(ops):
     )
     with pytest.raises(RuntimeError, match="does not tile K"):
         ops.int4_gemv_f32(torch.zeros(1, 64), tiles, scale_min, 48)
+
+
+def test_an_error_message_formats_its_sizes(ops):
+    # The kernels' errors are formatted by c10's streams: a build holding a second, static libstdc++ (a g++
+    # wrapper adding -static-libstdc++, on one GPU host) cut such a message after "[" here and crashed the
+    # process there. The sizes must come out whole.
+    with pytest.raises(RuntimeError, match=r"logits \[3, 5\] Double: \(B, V\) float32"):
+        ops.argmax_rows(torch.zeros(3, 5, dtype=torch.float64))
+
+
+@pytest.mark.skipif(shutil.which("readelf") is None, reason="no readelf")
+def test_the_kernels_link_the_process_libstdcxx():
+    if not cpu_ext.available():
+        pytest.skip("Ember's CPU kernels are not built on this machine")
+    dynamic = subprocess.run(["readelf", "-d", str(cpu_ext.build())], capture_output=True, text=True).stdout
+    assert "[libstdc++.so" in dynamic  # shared, as torch's libraries use it; not a second copy inside
 
 
 def test_modules_run_ember_kernels_and_int8_dyn_agrees_across_its_kernels():

@@ -137,9 +137,13 @@ def build(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> Path:
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DEMBER_CPU_NAMESPACE={namespace}", *flags,
         *[f"-I{p}" for p in cpp_extension.include_paths()],
     ]  # fmt: skip
-    libs = [*[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu"]
+    # libstdc++ named as a shared library, ahead of what the compiler's driver adds: torch's libraries use the
+    # process's one, and a driver that links it statically (a g++ wrapper adding -static-libstdc++, as on one GPU
+    # host) gave the kernels a second copy whose locale facets c10's streams do not know, so that formatting
+    # the first error message crashed the process.
+    libs = [*[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu", "-lstdc++"]
     texts = [f.read_text() for f in sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")])]
-    ident = [*texts, torch.__version__, _compiler_ident(cxx), " ".join(cmd), _cpu_ident()]
+    ident = [*texts, torch.__version__, _compiler_ident(cxx), " ".join(cmd), " ".join(libs), _cpu_ident()]
     key = hashlib.sha256("\n".join(ident).encode()).hexdigest()[:20]
     folder = cache_root() / "kernels"
     path = folder / f"{namespace}-{key}.so"
