@@ -225,6 +225,8 @@ class LLM:
                 finish = "stop"
             if finish:
                 text += assembler.finish()
+                if assembler.stopped:  # the end's flush completed a stop string
+                    finish = "stop"
             logprobs = None
             if params.logprobs is not None:
                 entry = dict(step.top_logprobs or [])

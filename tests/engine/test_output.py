@@ -50,3 +50,13 @@ def test_without_stop_strings_text_streams_as_decoded(tokenizer):
     pieces, full, stopped = run(tokenizer, text, ())
     assert full == tokenizer.decode(tokenizer.encode(text, add_special_tokens=False))
     assert not stopped and all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_completed_by_the_final_flush(tokenizer):
+    """Bytes that are no character yet are held back and become U+FFFD only when the text ends: a stop string
+    they complete is found then, and the caller learns it from `stopped` after finish()."""
+    token = tokenizer.backend.token_to_id("Ģ")  # GPT-2's byte-level 0x80: a continuation byte with no lead
+    assembler = TextAssembler(tokenizer.stream_decoder(), ("a\ufffd",))
+    pieces = [assembler.push(t) for t in tokenizer.encode("data", add_special_tokens=False) + [token] * 2]
+    assert "".join(pieces) == "dat" and not assembler.stopped
+    assert assembler.finish() == "" and assembler.text == "dat" and assembler.stopped

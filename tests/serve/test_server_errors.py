@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import socket
 
 import httpx2
@@ -25,6 +26,12 @@ def chat(**overrides) -> dict:
 
 def completion(**overrides) -> dict:
     return {"model": MODEL, "prompt": "Hi", "max_tokens": 4, **overrides}
+
+
+def huge(body: dict) -> str:
+    """`body` as JSON text with each "HUGE" written as an integer of 4301 digits: valid JSON, but past the
+    4300 digits Python's int() converts."""
+    return json.dumps(body).replace('"HUGE"', "9" * 4301)
 
 
 # (name, path, body (dict -> JSON, str/bytes -> raw), headers, status, param)
@@ -74,6 +81,18 @@ CASES = [
     ("negative max_tokens", CHAT, chat(max_tokens=-1), AUTH, 400, "max_tokens"),
     ("zero max_tokens", COMPLETIONS, completion(max_tokens=0), AUTH, 400, "max_tokens"),
     ("huge max_tokens", CHAT, chat(max_tokens=10**12), AUTH, 400, "max_tokens"),
+    (
+        "huge max_completion_tokens",
+        CHAT,
+        chat(max_tokens=None, max_completion_tokens=10**12),
+        AUTH,
+        400,
+        "max_completion_tokens",
+    ),
+    ("4301-digit max_tokens", CHAT, huge(chat(max_tokens="HUGE")), AUTH, 400, None),
+    ("4301-digit seed", CHAT, huge(chat(seed="HUGE")), AUTH, 400, None),
+    ("4301-digit logit_bias", CHAT, huge(chat(logit_bias={"5": "HUGE"})), AUTH, 400, None),
+    ("4301-digit prompt token", COMPLETIONS, huge(completion(prompt=[1, "HUGE"])), AUTH, 400, None),
     ("negative temperature", CHAT, chat(temperature=-0.5), AUTH, 400, "temperature"),
     ("temperature above 2", CHAT, chat(temperature=3), AUTH, 400, "temperature"),
     ("top_p zero", CHAT, chat(top_p=0), AUTH, 400, "top_p"),
@@ -195,6 +214,31 @@ def test_context_error_names_the_token_counts(http):
     assert "301 tokens" in error["message"] and "512" in error["message"], error
 
 
+def test_integer_past_the_digit_limit_is_answered_as_invalid_json(http):
+    headers = {"Content-Type": "application/json", **AUTH}
+    invalid = http.post(CHAT, content="{not json", headers=headers).json()["error"]
+    r = http.post(COMPLETIONS, content=huge(completion(max_tokens="HUGE")), headers=headers)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error == {**invalid, "message": "request body holds an integer of more than 4300 digits"}
+    assert error["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_token_limit_errors_name_the_field_sent(http, field):
+    """max_completion_tokens is OpenAI's newer name of max_tokens: errors name the one the request used."""
+    r = http.post(CHAT, json={"model": MODEL, "messages": MSG, field: 10**12}, headers=AUTH)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == field, error
+    assert error["message"] == f"{field}=1000000000000 exceeds the limit of 512"
+
+    messages = [{"role": "user", "content": "hello " * 300}]
+    r = http.post(CHAT, json={"model": MODEL, "messages": messages, field: 400}, headers=AUTH)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded", error
+    assert error["param"] == "messages" and f" {field}=400," in error["message"], error
+
+
 def test_empty_prompt_is_an_invalid_value_not_a_context_error(http):
     r = http.post(COMPLETIONS, json=completion(prompt=[]), headers=AUTH)
     error = r.json()["error"]
@@ -280,6 +324,39 @@ def test_no_chat_template_is_400(tmp_path, tiny_llama_dir):
             assert r.status_code == 400 and r.json()["error"]["code"] == "no_chat_template"
             assert "no chat template" in r.json()["error"]["message"]
             assert c.post(COMPLETIONS, json=completion()).status_code == 200
+    finally:
+        server.stop()
+
+
+def test_chat_template_refusing_the_messages_is_400(tmp_path, tiny_llama_dir):
+    """Llama 2, Mistral and Gemma templates refuse roles that do not alternate (`raise_exception`): the
+    request's fault, answered 400 as OpenAI does, before a stream starts as well."""
+    from openai import BadRequestError, OpenAI
+
+    from ember.llm import LLM
+
+    from .conftest import ENGINE
+
+    strict = tmp_path / "strict"
+    shutil.copytree(tiny_llama_dir, strict)
+    (strict / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    server = LiveServer(create_app(LLM(strict, device="cpu", engine_config=ENGINE), model_name=MODEL))
+    try:
+        with OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60) as client:
+            kw = {"model": MODEL, "max_tokens": 2}
+            assert client.chat.completions.create(messages=MSG, **kw).choices[0].finish_reason
+            for stream in (False, True):
+                with pytest.raises(BadRequestError) as e:
+                    client.chat.completions.create(messages=MSG * 2, stream=stream, **kw)
+                assert e.value.status_code == 400
+                assert e.value.body["type"] == "invalid_request_error"
+                assert e.value.body["param"] == "messages" and e.value.body["code"] == "invalid_value"
+                assert "Conversation roles must alternate" in e.value.body["message"]
     finally:
         server.stop()
 

@@ -96,6 +96,29 @@ def test_stop_string_spanning_tokens(client, reference_llm):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+@pytest.mark.parametrize("byte", ["Ģ", "ð"], ids=["continuation byte", "lead byte"])
+def test_stop_string_completed_when_the_text_ends(client, reference_llm, byte):
+    """Bytes that are no character yet are held back and become U+FFFD only when the text ends (here at
+    max_tokens): a stop string they complete still ends the choice with "stop", as one found earlier does."""
+    # GPT-2's byte-level "Ģ" is 0x80, a continuation byte with no lead; "ð" is 0xF0, a lead byte never continued.
+    token = reference_llm.tokenizer.backend.token_to_id(byte)
+    kw = {"model": MODEL, "prompt": "x", "max_tokens": 4, "temperature": 0, "logit_bias": {str(token): 100}}
+    r = client.completions.create(**kw).choices[0]
+    assert r.text == "\ufffd" * 4 and r.finish_reason == "length"
+
+    stop = "\ufffd" * 2
+    r = client.completions.create(**kw, stop=stop).choices[0]
+    assert r.text == "" and r.finish_reason == "stop"
+    chunks = [c.choices[0] for c in client.completions.create(**kw, stop=stop, stream=True)]
+    assert "".join(c.text for c in chunks) == "" and chunks[-1].finish_reason == "stop"
+
+    params = SamplingParams(max_tokens=4, temperature=0, logit_bias={token: 100}, stop=(stop,))
+    (out,) = reference_llm.generate("x", params)
+    assert out.text == "" and out.finish_reason == "stop"
+    chunks = list(reference_llm.stream("x", params))
+    assert "".join(c.text for c in chunks) == "" and chunks[-1].finish_reason == "stop"
+
+
 def test_n_choices_with_seed_are_distinct_and_reproducible(client):
     def ask():
         r = client.chat.completions.create(

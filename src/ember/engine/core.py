@@ -391,6 +391,8 @@ class EngineCore:
                 finish = "length"
         if finish:
             text += r.assembler.finish()
+            if r.assembler.stopped:  # the end's flush completed a stop string
+                finish = "stop"
             self.scheduler.finish(r)
             self._requests.pop(r.request_id, None)
         return RequestUpdate(

@@ -55,7 +55,9 @@ class TextAssembler:
         return out
 
     def finish(self) -> str:
-        """Ends the stream: releases what was held back (unless a stop string already ended it)."""
+        """Ends the stream: releases what was held back (unless a stop string already ended it). Check
+        `stopped` afterwards too: the decoder's flush (an incomplete character, as U+FFFD) can complete a stop
+        string, which then ends the text as one found by `push` does."""
         if self.stopped:
             return ""
         self._pending += self.decoder.flush()

@@ -16,6 +16,7 @@ import asyncio
 import codecs
 import json
 import re
+import sys
 import time
 import uuid
 import weakref
@@ -218,6 +219,14 @@ async def read_json(request: Request, limit: int) -> Any:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    except ValueError:
+        # Valid JSON, but int() refuses a literal of more than sys.get_int_max_str_digits() digits (the only
+        # plain ValueError json.loads raises): answered as invalid JSON is, not as a server error.
+        raise APIError(
+            400,
+            f"request body holds an integer of more than {sys.get_int_max_str_digits()} digits",
+            code="invalid_json",
+        ) from None
     # UTF-8 cannot hold a surrogate: only a "\\udXXX" escape can, so most bodies need no look.
     if _SURROGATE_ESCAPE.search(body) and (param := _surrogate_path(data)) is not None:
         raise APIError(
@@ -328,9 +337,13 @@ def sampling_params(
     req: ChatCompletionRequest | CompletionRequest,
     *,
     max_tokens: int | None,
+    max_tokens_param: str,
     logprobs: int | None,
 ) -> SamplingParams:
-    """The engine's SamplingParams for one choice; unset sampling knobs take the model's generation_config."""
+    """The engine's SamplingParams for one choice; unset sampling knobs take the model's generation_config.
+
+    `max_tokens` came from the request's field `max_tokens_param`, which errors about it name.
+    """
     limits = state.limits
     if req.n > limits.max_n:
         raise APIError(400, f"n={req.n} exceeds the limit of {limits.max_n}", param="n", code="invalid_value")
@@ -348,8 +361,8 @@ def sampling_params(
     if max_tokens is not None and max_tokens > cap:
         raise APIError(
             400,
-            f"max_tokens={max_tokens} exceeds the limit of {cap}",
-            param="max_tokens",
+            f"{max_tokens_param}={max_tokens} exceeds the limit of {cap}",
+            param=max_tokens_param,
             code="invalid_value",
         )
     bias: dict[int, float] = {}
@@ -395,14 +408,20 @@ def make_run(
     n: int,
     *,
     param: str,
+    max_tokens_param: str,
     arrival: float,
 ) -> Run:
-    """n jobs per prompt (choice index = prompt * n + j), each checked against the context before any runs."""
+    """n jobs per prompt (choice index = prompt * n + j), each checked against the context before any runs.
+
+    `param` names the request's prompt field, `max_tokens_param` the field that set `params.max_tokens`.
+    """
     for ids in prompts:
         try:
             state.engine.core.validate(ids, params)
         except ContextLengthError as e:
-            raise APIError(400, str(e), param=param, code="context_length_exceeded") from None
+            # The engine names its own field, SamplingParams.max_tokens: name the one the request set.
+            message = re.sub(r"\bmax_tokens\b", max_tokens_param, str(e))
+            raise APIError(400, message, param=param, code="context_length_exceeded") from None
         except EmberError as e:
             raise APIError(400, str(e), param=param, code="invalid_value") from None
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
@@ -667,8 +686,12 @@ def _encode_chat(state: ServingState, messages: list[ChatMessage]) -> list[int]:
     try:
         return state.tokenizer.encode_chat(turns, add_generation_prompt=True)
     except TokenizerError as e:
+        # The request's fault: a template refuses what it cannot take ("Conversation roles must alternate").
         raise APIError(
-            422, f"the chat template cannot render these messages: {e}", param="messages"
+            400,
+            f"the chat template cannot render these messages: {e}",
+            param="messages",
+            code="invalid_value",
         ) from None
 
 
@@ -686,14 +709,26 @@ async def chat_completions(request: Request) -> Response:
             code="no_chat_template",
         )
     top = (req.top_logprobs or 0) if req.logprobs else None
+    # max_completion_tokens is OpenAI's newer name of max_tokens and wins over it; errors name the one sent.
+    max_tokens_param = "max_tokens" if req.max_completion_tokens is None else "max_completion_tokens"
     params = sampling_params(
         state,
         req,
-        max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+        max_tokens=getattr(req, max_tokens_param),
+        max_tokens_param=max_tokens_param,
         logprobs=top,
     )
     prompt_ids = _encode_chat(state, req.messages)
-    run = make_run(state, "chatcmpl", [prompt_ids], params, req.n, param="messages", arrival=arrival)
+    run = make_run(
+        state,
+        "chatcmpl",
+        [prompt_ids],
+        params,
+        req.n,
+        param="messages",
+        max_tokens_param=max_tokens_param,
+        arrival=arrival,
+    )
 
     def choice(i: int, r: ChoiceResult) -> ChatChoice:
         lp = None if top is None else _chat_logprobs(LogprobCursor(state), r, top)
@@ -747,8 +782,12 @@ async def completions(request: Request) -> Response:
     arrival = time.monotonic()
     state, req = await parse_request(request, CompletionRequest)
     prompts = _encode_prompts(state, req.prompt)
-    params = sampling_params(state, req, max_tokens=req.max_tokens, logprobs=req.logprobs)
-    run = make_run(state, "cmpl", prompts, params, req.n, param="prompt", arrival=arrival)
+    params = sampling_params(
+        state, req, max_tokens=req.max_tokens, max_tokens_param="max_tokens", logprobs=req.logprobs
+    )
+    run = make_run(
+        state, "cmpl", prompts, params, req.n, param="prompt", max_tokens_param="max_tokens", arrival=arrival
+    )
     k = req.logprobs
 
     def choice(i: int, r: ChoiceResult) -> CompletionChoice:
