@@ -315,7 +315,12 @@ def test_ctrl_c_while_the_command_starts_is_no_traceback():
     import signal
     import time
 
-    proc = _ember("generate", "hello", "--max-new-tokens", "2")
+    # As a terminal delivers it: a test run in the background of a shell without job control (CI) inherits
+    # SIGINT ignored, and so would the command.
+    proc = _ember(
+        "generate", "hello", "--max-new-tokens", "2",
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     time.sleep(0.8)  # inside the imports (torch alone takes longer than this)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)

@@ -15,11 +15,12 @@ from ember.ops import cpu_ext
 from ember.quant import quantize_model
 from tests.conftest import load_hf_dir
 from tests.loading.test_gguf import QT, _kept, _write_wide_llama
-from tests.models.test_families import CASES, _reference
+from tests.models.test_families import CASES, case_reference
 
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="Ember's CPU kernels are not built here")
 
-UNSUPPORTED = {"gemma2", "mixtral-window", "qwen3-moe", "qwen3-moe-normalized-sparse-step"}  # softcap, MoE
+# softcap, MoE
+UNSUPPORTED = {"gemma2-bias", "mixtral-window", "qwen3-moe", "qwen3-moe-normalized-sparse-step-window"}
 
 
 @torch.inference_mode()
@@ -50,7 +51,7 @@ def assert_module_path(model) -> None:
 def family(request, tmp_path_factory):
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp(request.param)
-    _reference(request.param).save_pretrained(path)
+    case_reference(request.param).save_pretrained(path)
     return request.param, load_hf_dir(path)
 
 
@@ -63,12 +64,12 @@ def test_every_family_decodes_the_module_paths_logits(family):
 
 
 @pytest.mark.parametrize("scheme", ["int4-g32", "int8-dyn", "int8"])
-@pytest.mark.parametrize("case", ["qwen2-bias-tied-window", "granite", "gemma3-linear-rope"])
+@pytest.mark.parametrize("case", ["qwen2-bias-tied-window", "granite", "gemma3-linear-rope-bias"])
 def test_quantized_projections_decode_the_module_paths_logits(tmp_path, case, scheme):
     # int4 groups (int8 activations: `int4_gemv`) and int8-dyn (`int8_gemv`) have row kernels; int8
     # weight-only has none: the module path
     torch.manual_seed(0)
-    _reference(case).save_pretrained(tmp_path)
+    case_reference(case).save_pretrained(tmp_path)
     model = quantize_model(load_hf_dir(tmp_path), scheme)
     if scheme == "int8":
         assert_module_path(model)
@@ -78,7 +79,7 @@ def test_quantized_projections_decode_the_module_paths_logits(tmp_path, case, sc
 
 def test_a_bfloat16_model_decodes_the_module_paths_logits(tmp_path):
     torch.manual_seed(0)
-    _reference("qwen3-head_dim-yarn").save_pretrained(tmp_path)
+    case_reference("qwen3-head_dim-yarn").save_pretrained(tmp_path)
     model = load_hf_dir(tmp_path).to(torch.bfloat16)
     assert_same_steps(model)
 
@@ -135,7 +136,7 @@ def test_a_compiled_generator_keeps_its_own_step(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "case", ["qwen2-bias-tied-window", "gemma3-linear-rope", "olmo2", "granite", "phi3-longrope-partial"]
+    "case", ["qwen2-bias-tied-window", "gemma3-linear-rope-bias", "olmo2", "granite", "phi3-longrope-partial"]
 )
 @torch.inference_mode()
 def test_a_paged_batch_of_decode_rows_gives_the_module_paths_rows(tmp_path, case):
@@ -150,7 +151,7 @@ def test_a_paged_batch_of_decode_rows_gives_the_module_paths_rows(tmp_path, case
     from ember.engine.scheduler import ScheduledRequest, SchedulerOutput
 
     torch.manual_seed(0)
-    _reference(case).save_pretrained(tmp_path)
+    case_reference(case).save_pretrained(tmp_path)
     model = load_hf_dir(tmp_path)
     cfg, block = model.config, 4
     cache = PagedKVCache(cfg, num_blocks=48, block_size=block, device="cpu", dtype=torch.float32)

@@ -171,11 +171,16 @@ def _reference(arch: str, config: dict) -> transformers.PreTrainedModel:
     return model
 
 
+def case_reference(case: str) -> transformers.PreTrainedModel:
+    """The transformers model of one of `CASES`, norms and biases perturbed (`_reference`)."""
+    arch, extra, _ = CASES[case]
+    return _reference(arch, {**BASE, **extra})
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def pair(request, tmp_path_factory):
     torch.manual_seed(0)
-    arch, extra, _ = CASES[request.param]
-    ref = _reference(arch, {**BASE, **extra})
+    ref = case_reference(request.param)
     path = tmp_path_factory.mktemp(request.param)
     ref.save_pretrained(path)
     model = load_hf_dir(path)
