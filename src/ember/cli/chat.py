@@ -40,6 +40,16 @@ def fit_history(llm, system: list[dict], turns: list[dict], room: int) -> tuple[
         turns = turns[2:]
 
 
+def refused(text: str, what: str) -> bool:
+    """Whether a typed line is refused (not UTF-8: `check_text`), said on stderr; the chat goes on."""
+    try:
+        check_text(text, what)
+    except EmberError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return True
+    return False
+
+
 def run(args: argparse.Namespace) -> int:
     if args.system:
         check_text(args.system, "--system")
@@ -70,10 +80,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         if text.startswith("/system"):
             content = text[len("/system") :].strip()
-            try:
-                check_text(content, "the system message")
-            except EmberError as e:
-                print(f"error: {e}", file=sys.stderr)
+            if refused(content, "the system message"):
                 continue
             system = [{"role": "system", "content": content}] if content else []
             turns = []
@@ -82,10 +89,7 @@ def run(args: argparse.Namespace) -> int:
         if text.startswith("/"):
             print(f"unknown command {text.split()[0]!r}; {HELP}", file=sys.stderr)
             continue
-        try:
-            check_text(line, "the message")
-        except EmberError as e:  # this line only: the chat goes on
-            print(f"error: {e}", file=sys.stderr)
+        if refused(line, "the message"):
             continue
         turns.append({"role": "user", "content": line})
         turns, prompt_ids = fit_history(llm, system, turns, params.max_tokens or 0)

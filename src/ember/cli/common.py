@@ -55,11 +55,12 @@ def number(minimum: float, *, inclusive: bool):
 
 
 def stdin_keeps_bad_bytes() -> None:
-    """Standard input read as argv is: UTF-8, each byte that is not UTF-8 kept as a lone surrogate (U+DC80 + the
-    byte) rather than a UnicodeDecodeError ending the command, so that `check_text` can name it."""
+    """Standard input read as argv is: in the locale's encoding, each byte it cannot decode kept as a lone
+    surrogate (U+DC80 + the byte) rather than a UnicodeDecodeError ending the command, so that `check_text` can
+    name it."""
     reconfigure = getattr(sys.stdin, "reconfigure", None)
     if reconfigure is not None:
-        reconfigure(encoding="utf-8", errors="surrogateescape")
+        reconfigure(errors="surrogateescape")
 
 
 def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = False) -> None:

@@ -194,16 +194,11 @@ def load_decode_step(model: Decoder, cache: StaticKVCache, *, build: bool = True
             step = AOTIDecodeStep(model, path)
         except Exception as e:  # the loader raises RuntimeError and others for a bad archive
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            log.warning(
-                "the compiled decode step %s does not load (%s: %s); removed%s",
-                path,
-                type(e).__name__,
-                first,
-                ", compiling it again" if build else "",
-            )
             path.unlink(missing_ok=True)
-            if not build:
-                raise
+            message = f"the compiled decode step {path} does not load ({type(e).__name__}: {first}); removed"
+            if not build:  # the caller says it, once, with what it decodes with instead
+                raise RuntimeError(message) from e
+            log.warning("%s, compiling it again", message)
         else:
             log.info("AOTInductor decode step loaded from %s in %.3f s", path, time.perf_counter() - start)
             return step
