@@ -333,6 +333,13 @@ def test_config_keys_that_change_outputs_are_read_as_transformers_reads_them(tmp
         cfg = {**phi3, "rope_scaling": {**longrope, "original_max_position_embeddings": 64}}
         cfg = {**cfg, "original_max_position_embeddings": top} if top else cfg
         assert config_from_hf(cfg).rope.params["original_max_position_embeddings"] == want
+    # Phi-3's early configs name LongRoPE "su" or "yarn"; any other scaling is refused, as transformers does.
+    for key, name in (("type", "su"), ("rope_type", "yarn")):
+        factors = {k: v for k, v in longrope.items() if k != "rope_type"}
+        rope = config_from_hf({**phi3, "rope_scaling": {**factors, key: name}}).rope
+        assert (rope.rope_type, rope.params["long_factor"]) == ("longrope", longrope["long_factor"])
+    with pytest.raises(CheckpointError, match="Phi-3's rope_parameters has rope type 'linear'"):
+        config_from_hf({**phi3, "rope_parameters": {"rope_type": "linear", "factor": 2.0}})
     # Gemma 3's modelling does not soft-cap attention scores whatever the config says; Gemma 2 does.
     gemma = {**base, "head_dim": 32, "attn_logit_softcapping": 5.0}
     assert config_from_hf({**gemma, "architectures": ["Gemma3ForCausalLM"]}).attn_logit_softcap is None

@@ -9,10 +9,26 @@ head (`partial_rotary_factor`). Both are read by the generic rope config.
 from __future__ import annotations
 
 from ember.config import ModelConfig, common_fields, layer_windows
+from ember.errors import CheckpointError
 from ember.models.registry import Family, register
 
 
+def _rope_as_longrope(hf: dict) -> dict:
+    # transformers' Phi-3 reads early configs' "su" and "yarn" as LongRoPE and refuses any other scaling.
+    source = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rope = hf.get(source)
+    if not isinstance(rope, dict):
+        return hf
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    if kind in ("su", "yarn"):
+        return {**hf, source: {**rope, "rope_type": "longrope"}}
+    if kind not in ("default", "longrope"):
+        raise CheckpointError(f"Phi-3's {source} has rope type {kind!r}; expected 'longrope' (or none)")
+    return hf
+
+
 def phi3_config(hf: dict) -> ModelConfig:
+    hf = _rope_as_longrope(hf)
     # Phi-3: the top-level `original_max_position_embeddings` (4096 when absent) is the LongRoPE threshold; the
     # generic rope config lets it win over one inside the rope settings, as transformers does.
     fields = common_fields(hf, partial_rotary=True)
