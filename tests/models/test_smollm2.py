@@ -97,3 +97,14 @@ def test_logprobs_and_seeded_sampling(llm):
     for token, entry in zip(a.token_ids, a.logprobs, strict=True):
         assert token in entry and len(entry) >= 3
         assert all(v <= 0 for v in entry.values())
+
+
+@pytest.mark.parametrize("end", [0, 2, 4])
+def test_generation_ends_where_llama_cpp_ends_it(llm, end):
+    # llama.cpp's end-of-generation ids for this file (llama_vocab_is_eog, llama-cpp-python 0.3.36): <|im_end|>
+    # (the eos), <|endoftext|> (its end-of-turn) and <reponame> (fill-in-the-middle); a token forced by a bias
+    # ends the answer there, with no text.
+    assert set(llm.loaded.eos_token_ids) == {0, 2, 4}
+    params = ember.SamplingParams(max_tokens=5, temperature=0, logit_bias={end: 100.0})
+    (out,) = llm.generate(["Hello"], params)
+    assert (out.token_ids, out.text, out.finish_reason) == ([end], "", "stop")

@@ -50,6 +50,8 @@ def test_gemma3_special_tokens(gemma3):
     # Gemma 3: bos <bos>=2 added, eos <eos>=1; control tokens dropped on decode unless asked for.
     g = gemma3.ours
     assert (g.bos_token_id, g.eos_token_ids, g.add_bos) == (2, (1,), True)
+    # Where llama.cpp also ends generation (llama_vocab_is_eog): <end_of_turn> and </s>.
+    assert g.end_ids == (106, 212)
     ids = g.encode("hi")
     assert ids[0] == 2 and g.decode(ids) == "hi" and g.decode(ids, skip_special_tokens=False) == "<bos>hi"
 

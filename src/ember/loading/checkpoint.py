@@ -162,7 +162,7 @@ def load(
         cfg = config_from_hf(hf)
         family = get_family(cfg.architecture)
         tokenizer = Tokenizer.from_gguf(reader)
-        extra_eos = _ids(hf.get("eos_token_id"), str(resolved.path))
+        extra_eos = _ids(hf.get("eos_token_id"), str(resolved.path)) + tokenizer.end_ids
 
         def weights() -> WeightSource:
             # Quantizing: one GGUF tensor dequantized at a time. Float: all at once, on several threads.

@@ -122,6 +122,19 @@ def _compiler_ident(cxx: str) -> str:
     return out.stdout.splitlines()[0] if out.stdout else cxx
 
 
+def _process_libstdcxx() -> str:
+    """The libstdc++ shared library this process has loaded (torch's), as a link argument; else "-lstdc++"."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                if len(fields) == 6 and Path(fields[5].strip()).name.startswith("libstdc++.so"):
+                    return fields[5].strip()
+    except OSError:
+        pass
+    return "-lstdc++"
+
+
 def build(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> Path:
     """Compiles the kernels (ops `namespace::*`, extra compiler `flags`) into the kernels cache, once per key;
     returns the library's path. Raises OSError or subprocess.CalledProcessError when the build fails."""
@@ -137,11 +150,11 @@ def build(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> Path:
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-DEMBER_CPU_NAMESPACE={namespace}", *flags,
         *[f"-I{p}" for p in cpp_extension.include_paths()],
     ]  # fmt: skip
-    # libstdc++ named as a shared library, ahead of what the compiler's driver adds: torch's libraries use the
-    # process's one, and a driver that links it statically (a g++ wrapper adding -static-libstdc++, as on one GPU
-    # host) gave the kernels a second copy whose locale facets c10's streams do not know, so that formatting
-    # the first error message crashed the process.
-    libs = [*[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu", "-lstdc++"]
+    # The process's libstdc++, named by its path ahead of what the compiler's driver adds: torch's libraries use
+    # it, and a driver that links one statically (a g++ wrapper, as on one GPU host, turns even "-lstdc++" into
+    # the archive) gave the kernels a second copy whose locale facets c10's streams do not know, so that
+    # formatting the first error message crashed the process.
+    libs = [*[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu", _process_libstdcxx()]
     texts = [f.read_text() for f in sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")])]
     ident = [*texts, torch.__version__, _compiler_ident(cxx), " ".join(cmd), " ".join(libs), _cpu_ident()]
     key = hashlib.sha256("\n".join(ident).encode()).hexdigest()[:20]

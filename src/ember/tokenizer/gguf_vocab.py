@@ -35,8 +35,28 @@ if TYPE_CHECKING:
 __all__ = ["GGUFVocab", "bos_eos_processor", "gguf_source", "vocab_from_gguf"]
 
 # llama.cpp token types (gguf.TokenType).
+_UNKNOWN = 2
 _CONTROL = 3
 _USER_DEFINED = 4
+
+# Where generation ends besides `tokenizer.ggml.eos_token_id`, as llama.cpp has it: the file's end-of-turn,
+# end-of-message and fill-in-the-middle padding / repository / file-separator ids, and the control or
+# user-defined tokens spelled as one of these end markers (a GGUF has no generation_config.json; a Gemma 3
+# instruct file's eos is <eos>, while its turns end with <end_of_turn>).
+_END_ID_KEYS = (
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.eom_token_id",
+    "tokenizer.ggml.fim_pad_token_id",
+    "tokenizer.ggml.fim_rep_token_id",
+    "tokenizer.ggml.fim_sep_token_id",
+)
+_END_TEXTS = frozenset(
+    {
+        "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+        "<|end_of_text|>", "<EOT>", "_<EOT>", "<end_of_utterance>", "</s>",
+        "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<|repo_name|>", "<reponame>", "<fim-repo>", "<|file_sep|>",
+    }
+)  # fmt: skip
 
 # The split regexes llama.cpp uses for each `tokenizer.ggml.pre` of a byte-level vocabulary. Each entry is a
 # list of regexes applied one after the other (llama.cpp's `regex_exprs`); `None` means the GPT-2 regex, which
@@ -96,6 +116,7 @@ class GGUFVocab:
     pad_token_id: int | None
     add_bos: bool
     chat_template: str | None
+    end_ids: tuple[int, ...] = ()  # other ids where generation ends (`_END_ID_KEYS`, `_END_TEXTS`)
 
 
 def gguf_source(reader: gguf.GGUFReader) -> str:
@@ -152,7 +173,21 @@ def vocab_from_gguf(reader: gguf.GGUFReader) -> GGUFVocab:
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
         add_bos=add_bos,
         chat_template=_field(reader, "tokenizer.chat_template"),
+        end_ids=_end_ids(reader, tokens, token_types, eos),
     )
+
+
+def _end_ids(
+    reader: gguf.GGUFReader, tokens: list[str], token_types: list[int], eos: int | None
+) -> tuple[int, ...]:
+    named = [_field(reader, key) for key in _END_ID_KEYS]
+    spelled = [
+        i
+        for i, (token, kind) in enumerate(zip(tokens, token_types, strict=True))
+        if token in _END_TEXTS and kind in (_CONTROL, _USER_DEFINED)
+    ]
+    ids = [i for i in (*named, *spelled) if isinstance(i, int) and 0 <= i < len(tokens) and i != eos]
+    return tuple(sorted(set(ids)))
 
 
 def _added_tokens(tokens: list[str], token_types: list[int], vocab: dict[str, int]) -> list[AddedToken]:

@@ -48,13 +48,16 @@ class Tokenizer:
         chat_template: str | None,
         special_tokens: dict[str, str] | None = None,
         source: str = "<tokenizer>",
+        end_ids: tuple[int, ...] = (),
     ) -> None:
         """Prefer `from_dir` / `from_gguf`. `special_tokens` maps bos_token/eos_token/... to their text for
-        chat templates; `source` names the origin in error messages."""
+        chat templates; `source` names the origin in error messages; `end_ids` are ids other than eos where
+        generation ends (a GGUF's end-of-turn tokens: it has no generation_config.json to list them)."""
         self._backend = backend
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         self.eos_token_ids = eos_token_ids
+        self.end_ids = end_ids
         self.chat_template = chat_template
         self._special_tokens = dict(special_tokens or {})
         self._source = source
@@ -138,6 +141,7 @@ class Tokenizer:
             chat_template=vocab.chat_template,
             special_tokens=special_tokens,
             source=gguf_source(reader),
+            end_ids=vocab.end_ids,
         )
 
     # ------------------------------------------------------------------------------------------ text <-> ids
