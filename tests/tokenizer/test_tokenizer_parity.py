@@ -57,6 +57,23 @@ def test_gemma3_special_tokens(gemma3):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("text", "ids"),
+    [
+        (" " * 32, [167, 236743]),  # the 31-space token, then "▁"
+        ("a" + " " * 40 + "b", [236746, 167, 145, 236763]),
+        ("x  y   z", [236781, 138, 236762, 139, 236802]),
+        ("▁▁hello", [236743, 29104]),  # a literal "▁" is no space: not the two-space token
+    ],
+)
+def test_gemma_space_runs_are_matched_as_llama_cpp_matches_them(gemma3, text, ids):
+    # Gemma's runs of 2-31 spaces are user-defined tokens, taken whole from the text, longest first. The ids are
+    # llama.cpp's (llama_tokenize, llama-cpp-python 0.3.36); transformers' GGUF conversion merges them as BPE
+    # pieces instead (16 + 16 spaces for 32).
+    assert gemma3.ours.encode(text, add_special_tokens=False) == ids
+
+
+@pytest.mark.slow
 def test_gemma_byte_fallback_roundtrip(gemma3):
     # A character Gemma has no piece for is spelled with <0x..> byte tokens and decodes back whole.
     text = "𓀀"

@@ -15,7 +15,8 @@ Token types follow llama.cpp: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 
 tokens become special added tokens (matched whole, dropped by `skip_special_tokens`); user-defined ones
 become plain added tokens (matched whole, always decoded), as llama.cpp does. The result agrees with
 `transformers`' own GGUF conversion, which the tests use as the oracle, except where that conversion departs
-from llama.cpp: it splits no digits for StarCoder-family vocabularies and merges whole Llama 3 words.
+from llama.cpp: it splits no digits for StarCoder-family vocabularies, merges whole Llama 3 words, and builds
+Gemma's runs of spaces from BPE pieces where llama.cpp matches its user-defined space-run tokens whole.
 """
 
 from __future__ import annotations
@@ -236,9 +237,10 @@ def _sentencepiece_bpe(
     scores: list[float] | None = _field(reader, "tokenizer.ggml.scores")
     if scores is None:
         raise TokenizerError(f"{path}: SentencePiece vocabulary without tokenizer.ggml.scores")
-    # Gemma stores its multi-space tokens with real spaces, but text reaches the model with spaces already
-    # turned into "▁"; respell them so they can be matched and merged.
-    pieces = [t.replace(" ", "\u2581") if " " in t and not t.strip() else t for t in tokens]
+    # Gemma's runs of 2-31 spaces are user-defined tokens spelled with real spaces: added tokens, matched whole on
+    # the text before its spaces become "▁", longest first, as llama.cpp matches them (respelled with "▁" they
+    # were BPE pieces instead: 32 spaces became 16 + 16, and a literal "▁▁" the two-space token).
+    pieces = tokens
     vocab = {piece: i for i, piece in enumerate(pieces)}
     rank = [-i for i in range(len(pieces))] if arch in _POSITION_RANKED_ARCHS else scores
     unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
