@@ -11,12 +11,14 @@ scores (SentencePiece) and a few flags under `tokenizer.ggml.*`. We rebuild the 
   no merges, so they are derived from the vocabulary: every way of cutting a token into two tokens is a
   merge, ranked by the score of the merged token. Gemma files rank by position instead.
 
-Token types follow llama.cpp: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte. Control
-tokens become special added tokens (matched whole, dropped by `skip_special_tokens`); user-defined ones
+Token types follow llama.cpp: 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte. Control and
+unknown tokens become special added tokens (matched whole, dropped by `skip_special_tokens`); user-defined ones
 become plain added tokens (matched whole, always decoded), as llama.cpp does. The result agrees with
 `transformers`' own GGUF conversion, which the tests use as the oracle, except where that conversion departs
-from llama.cpp: it splits no digits for StarCoder-family vocabularies, merges whole Llama 3 words, and builds
-Gemma's runs of spaces from BPE pieces where llama.cpp matches its user-defined space-run tokens whole.
+from llama.cpp: it splits no digits for StarCoder-family vocabularies, merges whole Llama 3 words, builds
+Gemma's runs of spaces from BPE pieces where llama.cpp matches its user-defined space-run tokens whole, and
+(but for Phi-3) puts SentencePiece's "▁" only at the start of the whole text, where llama.cpp puts one before
+every stretch of text between added tokens, whether or not it starts with a space.
 """
 
 from __future__ import annotations
@@ -99,11 +101,6 @@ _LLAMA3_PRES = frozenset({"llama-bpe", "llama3", "llama-v3", "falcon3", "pixtral
 # Gemma: the scores in the file do not follow the merge order, the position of a token does (ranking by score
 # gives ids that differ from the original tokenizer.json; transformers' GGUF loader found the same).
 _POSITION_RANKED_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "gemma3n"})
-
-# Phi-3: the space prefix goes before every stretch of text, also one that starts with a space or follows a
-# special token (`<|user|>\n...`), as llama.cpp does and transformers' GGUF loader does for this architecture;
-# elsewhere we follow transformers, whose Metaspace adds it only at the start of the whole text.
-_PREFIX_EVERY_TEXT_ARCHS = frozenset({"phi3"})
 
 
 @dataclass(frozen=True)
@@ -192,11 +189,12 @@ def _end_ids(
 
 
 def _added_tokens(tokens: list[str], token_types: list[int], vocab: dict[str, int]) -> list[AddedToken]:
-    """Control tokens as special added tokens, user-defined ones as plain added tokens, in id order."""
+    """Control and unknown tokens as special added tokens, user-defined ones as plain added tokens, in id order
+    (llama.cpp matches all three whole in the text, and drops the first two from text it decodes)."""
     return [
-        AddedToken(token, normalized=False, special=kind == _CONTROL)
+        AddedToken(token, normalized=False, special=kind in (_CONTROL, _UNKNOWN))
         for token, kind in zip(tokens, token_types, strict=True)
-        if kind in (_CONTROL, _USER_DEFINED) and token in vocab
+        if kind in (_UNKNOWN, _CONTROL, _USER_DEFINED) and token in vocab
     ]
 
 
@@ -253,17 +251,14 @@ def _sentencepiece_bpe(
             byte_fallback=True,
         )
     )
-    # llama.cpp prepends a space to the text unless the file says not to (Gemma does).
+    # llama.cpp puts a space before every stretch of text, also one that starts with a space or follows a special
+    # or user-defined token (`<s>[INST]`, `<|user|>\n`), unless the file says not to (Gemma does). Added tokens
+    # are cut out before normalizing, so each stretch between them gets its own "▁". (transformers' GGUF loader
+    # does so for Phi-3 only; for the others its Metaspace adds one at the start of the whole text, and none
+    # where the text starts with a space.)
     add_space_prefix = bool(_field(reader, "tokenizer.ggml.add_space_prefix", True))
-    if add_space_prefix and arch in _PREFIX_EVERY_TEXT_ARCHS:
-        # Added tokens are cut out before normalizing, so each stretch of text between them gets its own "▁".
-        fast.normalizer = normalizers.Sequence(
-            [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
-        )
-    else:
-        fast.pre_tokenizer = pre_tokenizers.Metaspace(
-            replacement="\u2581", prepend_scheme="first" if add_space_prefix else "never", split=False
-        )
+    steps = [normalizers.Prepend("\u2581")] if add_space_prefix else []
+    fast.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "\u2581")])
     steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
     if add_space_prefix:
         steps.append(decoders.Strip(content=" ", left=1))
