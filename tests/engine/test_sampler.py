@@ -133,3 +133,55 @@ def test_seeds_that_differ_past_32_bits_draw_different_numbers():
     for a, b in ((-1, 2**63 - 1), (0, -(2**63)), (0, 2**32), (7, 2**32 + 7)):
         assert draws(a) != draws(b)
     assert draws(12345) == draws(12345) and draws(-5) == draws(-5)
+
+
+def test_a_cpu_rows_candidates_keep_exactly_what_the_whole_vocabulary_keeps():
+    """`_filter_candidates` (each row's most likely K tokens, where the filters provably drop the rest) keeps the
+    same tokens with the same logits as `_filter` over the whole vocabulary, ties at the candidates' edge
+    included, and gives up where a row could keep a token past the candidates."""
+    from ember.engine.sampler import CANDIDATES, _filter, _filter_candidates
+
+    torch.manual_seed(0)
+    vocab = 4 * CANDIDATES[-1]
+    grid = [
+        dict(temperature=t, top_k=k, top_p=p, min_p=m)
+        for t in (0.7, 1.3)
+        for k in (0, 1, 40, CANDIDATES[0])
+        for p in (1.0, 0.5, 0.9)
+        for m in (0.0, 0.05)
+        if k or p < 1 or m
+    ]
+    found = 0
+    for scale in (1.0, 4.0, 8.0):
+        for start in range(0, len(grid), 6):
+            params = grid[start : start + 6] + [SamplingParams(temperature=0)]
+            params = [p if isinstance(p, SamplingParams) else SamplingParams(**p) for p in params]
+            logits = torch.randn(len(params), vocab) * scale
+            # Ties across the first candidate count's edge (ties inside top-p's nucleus are cut in sort order,
+            # an arbitrary one, in either path).
+            edge = logits.argsort(dim=-1, descending=True)[:, CANDIDATES[0] - 6 : CANDIDATES[0] + 6]
+            logits.scatter_(-1, edge, logits.gather(-1, edge[:, :1]).expand_as(edge).clone())
+            st = SamplingTensors.build(params, vocab, "cpu")
+            got = _filter_candidates(logits, st)
+            if got is None:
+                continue
+            found += 1
+            filtered, ids = got
+            want = _filter(logits, st)[:-1]  # the greedy row's filters are not applied to it
+            full = torch.full_like(want, float("-inf")).scatter(-1, ids[:-1], filtered[:-1])
+            assert torch.equal(full.isfinite(), want.isfinite())
+            assert torch.allclose(full[want.isfinite()], want[want.isfinite()])
+    assert found >= 6
+    # Nearly flat logits: top-p 0.999 keeps more tokens than any candidate count, so the whole vocabulary is used.
+    st = SamplingTensors.build([SamplingParams(top_p=0.999)], vocab, "cpu")
+    assert _filter_candidates(torch.randn(1, vocab) * 0.01, st) is None
+
+
+def test_sampling_from_the_candidates_follows_the_filtered_distribution():
+    from ember.engine.sampler import CANDIDATES
+
+    logits = torch.full((2 * CANDIDATES[-1],), -30.0)
+    logits[:4] = torch.tensor([2.0, 1.0, 0.0, -1.0])
+    n = 20000
+    counts = torch.bincount(draw(logits, n, seed=5, top_p=0.99), minlength=4)[:4].float() / n
+    assert (counts - logits[:4].softmax(-1)).abs().max() < 0.015
