@@ -151,9 +151,9 @@ def build(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> Path:
         *[f"-I{p}" for p in cpp_extension.include_paths()],
     ]  # fmt: skip
     # The process's libstdc++, named by its path ahead of what the compiler's driver adds: torch's libraries use
-    # it, and a driver that links one statically (a g++ wrapper, as on one GPU host, turns even "-lstdc++" into
-    # the archive) gave the kernels a second copy whose locale facets c10's streams do not know, so that
-    # formatting the first error message crashed the process.
+    # it. A driver whose own library folders come first and hold only libstdc++.a (one GPU host's g++ wrapper,
+    # gcc 13 with -B/opt/gcc/...: even "-lstdc++" took the archive) gave the kernels a second copy whose locale
+    # facets c10's streams do not know, so that formatting the first error message crashed the process.
     libs = [*[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu", _process_libstdcxx()]
     texts = [f.read_text() for f in sorted([*CSRC.glob("*.cpp"), *CSRC.glob("*.h")])]
     ident = [*texts, torch.__version__, _compiler_ident(cxx), " ".join(cmd), " ".join(libs), _cpu_ident()]
