@@ -4,6 +4,7 @@ twins, the modules that use them against torch's kernels, and the fallback when 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import subprocess
 
@@ -735,6 +736,31 @@ def test_the_kernels_link_the_process_libstdcxx():
         pytest.skip("Ember's CPU kernels are not built on this machine")
     dynamic = subprocess.run(["readelf", "-d", str(cpu_ext.build())], capture_output=True, text=True).stdout
     assert "[libstdc++.so" in dynamic  # shared, as torch's libraries use it; not a second copy inside
+
+
+@pytest.mark.skipif(
+    shutil.which("readelf") is None or shutil.which("g++") is None, reason="no readelf or g++"
+)
+def test_the_link_takes_the_process_libstdcxx_where_the_driver_finds_the_archive_first(tmp_path):
+    # One GPU host's g++ searched folders of its own first, holding only libstdc++.a: "-lstdc++" took the archive
+    # there. Here a folder named first with -L does the same; the process's library, named by its path, does not.
+    static = subprocess.run(
+        ["g++", "-print-file-name=libstdc++.a"], capture_output=True, text=True
+    ).stdout.strip()
+    if not os.path.isabs(static):
+        pytest.skip("no static libstdc++ to stand in for that driver's")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libstdc++.a").symlink_to(static)
+    src = tmp_path / "t.cpp"
+    src.write_text(
+        "#include <sstream>\n#include <string>\nstd::string f(long x) { std::ostringstream s; s << x; return s.str(); }\n"
+    )
+    for name, lib in (("archive", "-lstdc++"), ("process", cpu_ext._process_libstdcxx())):
+        so = tmp_path / f"{name}.so"
+        link = ["g++", f"-L{tmp_path / 'lib'}", "-shared", "-fPIC", str(src), "-o", str(so), lib]
+        subprocess.run(link, check=True, capture_output=True)
+        dynamic = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True).stdout
+        assert ("[libstdc++.so" in dynamic) == (name == "process"), name
 
 
 def test_modules_run_ember_kernels_and_int8_dyn_agrees_across_its_kernels():
