@@ -129,3 +129,33 @@ def test_generate_from_several_threads_gives_each_its_own_outputs(llm):
     with ThreadPoolExecutor(len(prompts)) as pool:
         got = list(pool.map(lambda p: llm.generate(p, GREEDY)[0].token_ids, prompts * 2))
     assert got == [want[p] for p in prompts * 2]
+
+
+def test_the_text_is_what_the_tokens_add_to_the_prompts(tmp_path):
+    """With a decoder that strips the start of what it decodes (Llama-2-style SentencePiece), "a" + "▁b" is
+    "a b": the answer's text starts with its space, streamed or not, and so does its logprobs' token."""
+    import json
+
+    from tokenizers import AddedToken, decoders
+    from tokenizers import Tokenizer as FastTokenizer
+    from tokenizers.models import BPE
+
+    from ember.serve.routes import _token_piece
+    from tests.conftest import make_tiny_llama_dir
+
+    backend = FastTokenizer(BPE(vocab={"▁a": 0, "▁b": 1, "c": 2, "<s>": 3, "</s>": 4}, merges=[]))
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    backend.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    backend.save(str(tokenizer / "tokenizer.json"))
+    (tokenizer / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    model = make_tiny_llama_dir(tmp_path / "model", tokenizer, vocab_size=5, bos_token_id=3, eos_token_id=4)
+    llm = ember.LLM(model, device="cpu", dtype="float32")
+    params = ember.SamplingParams(max_tokens=3, temperature=0, logit_bias={1: 100.0}, ignore_eos=True)
+    (out,) = llm.generate([[3, 0]], params)
+    assert (out.token_ids, out.text) == ([1, 1, 1], " b b b")
+    assert "".join(c.text for c in llm.stream([3, 0], params)) == " b b b"
+    assert _token_piece(llm.tokenizer, 1).text == b" b"

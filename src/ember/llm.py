@@ -215,7 +215,7 @@ class LLM:
             raise InvalidParameterError(
                 f"n={params.n} is invalid for a stream, which yields one completion; use generate() for n > 1"
             )
-        assembler = TextAssembler(self.tokenizer.stream_decoder(), params.stop)
+        assembler = TextAssembler(self.tokenizer.stream_decoder(prompt_ids=prompt_ids), params.stop)
         gen = make_generator(params.seed, self.loaded.device)
         for step in self.generator.generate(prompt_ids, params, self.loaded.eos_token_ids, gen):
             finish = step.finish_reason

@@ -120,3 +120,37 @@ def test_stream_byte_fallback_runs(ids):
     for skip in (True, False):
         pieces, tail = _stream(tok, ids, skip)
         assert "".join(pieces) + tail == tok.decode(ids, skip_special_tokens=skip), (ids, skip, pieces)
+
+
+def _sentencepiece_tokenizer():
+    """A Llama-2-style tokenizer: "▁" pieces, a decoder that strips the first space of what it decodes."""
+    from tokenizers import AddedToken, decoders
+    from tokenizers import Tokenizer as FastTokenizer
+    from tokenizers.models import BPE
+
+    from ember.tokenizer import Tokenizer
+
+    vocab = {"▁a": 0, "▁b": 1, "c": 2, "<s>": 3, "<0xE4>": 4, "<0xB8>": 5, "<0xAD>": 6}
+    backend = FastTokenizer(BPE(vocab=vocab, merges=[], byte_fallback=True))
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    backend.add_special_tokens([AddedToken("<s>", special=True)])
+    return Tokenizer(backend, bos_token_id=3, eos_token_ids=(), chat_template=None)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "ids", "text"),
+    [
+        ([3, 0], [1, 2, 0], " bc a"),  # "a" + "▁b": the answer starts with the space the prompt's text lacks
+        ([0, 4], [5, 6, 1], "\ufffd\ufffd b"),  # a prompt ending inside a character: decoded without it
+        ([3], [1, 0], "b a"),  # a context that decodes to nothing anchors nothing
+        ([], [1, 0], "b a"),
+    ],
+)
+def test_stream_is_the_text_the_ids_add_to_the_prompts(prompt, ids, text):
+    tok = _sentencepiece_tokenizer()
+    decoder = tok.stream_decoder(prompt_ids=prompt)
+    assert "".join(decoder.push(i) for i in ids) + decoder.flush() == text
+    if prompt and prompt[-1] != 4:
+        assert tok.decode(prompt + ids) == tok.decode(prompt) + text

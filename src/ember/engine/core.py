@@ -285,7 +285,7 @@ class EngineCore:
             prompt_ids=list(prompt_ids),
             params=params,
             max_tokens=self.max_tokens_for(len(prompt_ids), params),
-            assembler=TextAssembler(self.loaded.tokenizer.stream_decoder(), params.stop),
+            assembler=TextAssembler(self.loaded.tokenizer.stream_decoder(prompt_ids=prompt_ids), params.stop),
             generator=make_generator(params.seed, self.loaded.device),
         )
         with self._lock:

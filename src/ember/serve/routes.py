@@ -137,10 +137,30 @@ def _raw_bytes(piece: str) -> bytes | None:
     return None
 
 
+@lru_cache(maxsize=64)
+def _anchor(tokenizer: Tokenizer) -> list[int]:
+    """A token to decode ahead of another: a decoder that strips the start of what it decodes (SentencePiece's
+    leading "▁") then keeps that token's own leading space, as the generated text does."""
+    candidates = [tokenizer.encode("a", add_special_tokens=False)[-1:], *([i] for i in range(256))]
+    for ids in candidates:
+        if ids and ids[0] < tokenizer.vocab_size and (text := tokenizer.decode(ids)) and "\ufffd" not in text:
+            return ids
+    return []
+
+
+def _decode_one(tokenizer: Tokenizer, token_id: int, skip_special_tokens: bool) -> str:
+    anchor = _anchor(tokenizer)
+    head = tokenizer.decode(anchor, skip_special_tokens=skip_special_tokens)
+    whole = tokenizer.decode([*anchor, token_id], skip_special_tokens=skip_special_tokens)
+    if anchor and whole.startswith(head):
+        return whole[len(head) :]
+    return tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens)
+
+
 @lru_cache(maxsize=1 << 16)
 def _token_piece(tokenizer: Tokenizer, token_id: int) -> TokenPiece:
-    shown = tokenizer.decode([token_id], skip_special_tokens=False)
-    text = tokenizer.decode([token_id]).encode()  # b"" for a special token: the generated text leaves it out
+    shown = _decode_one(tokenizer, token_id, skip_special_tokens=False)
+    text = _decode_one(tokenizer, token_id, True).encode()  # b"" for a special token: the text leaves it out
     # A token holding part of a character decodes to U+FFFD; its vocabulary entry still has its bytes.
     raw = _raw_bytes(tokenizer.backend.id_to_token(token_id) or "") if "\ufffd" in shown else None
     if raw is None:

@@ -13,12 +13,13 @@ once, and a run that is not valid UTF-8 becomes one U+FFFD per byte, including b
 character before the run went on (`<0x7B>` is "{", `<0x7B><0x94>` is "\ufffd\ufffd"). Text is therefore held
 while the latest id that the decode keeps is a byte piece, and released when the run ends.
 
-Invariant, tested against the full decode: `"".join(push(i) for i in ids) + flush() == decode(ids)`.
+Invariant, tested against the full decode: `"".join(push(i) for i in ids) + flush() == decode(ids)`; with a
+`context`, `decode(context + ids)` less `decode(context)`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 __all__ = ["StreamDecoder"]
 
@@ -35,11 +36,17 @@ class StreamDecoder:
         *,
         byte_ids: frozenset[int] = frozenset(),
         skipped_ids: frozenset[int] = frozenset(),
+        context: Sequence[int] = (),
     ) -> None:
         """`decode(ids) -> str` must be the tokenizer's decode with the caller's skip_special_tokens choice.
 
         `byte_ids` are the byte-fallback pieces; `skipped_ids` the ids that `decode` drops (special tokens
-        under skip_special_tokens), which leave a run of byte pieces open rather than ending it.
+        under skip_special_tokens), which leave a run of byte pieces open rather than ending it. `context`: the
+        ids before the first pushed one (a prompt's last few), decoded with it but never returned, so that the
+        text is what the ids add to the prompt's: a decoder that strips the start of a decode (SentencePiece's
+        leading "▁") would otherwise drop the space the first generated token begins with ("is" + "▁Paris"
+        must give " Paris", as llama.cpp, vLLM and TGI give it). A context that ends inside a character is not
+        used (the character's completion would change text already counted as the prompt's).
         """
         self._decode = decode
         self._byte_ids = byte_ids
@@ -49,6 +56,10 @@ class StreamDecoder:
         self._prefix_offset = 0  # window start: decoding from here gives the same text as the full decode
         self._read_offset = 0  # end of what has been emitted
         self._prefix_text = ""  # decode(ids[prefix_offset:read_offset]), cached between steps
+        if context and context[-1] not in byte_ids:
+            text = decode(list(context))
+            if not text.endswith("\ufffd"):
+                self._ids, self._read_offset, self._prefix_text = list(context), len(context), text
 
     def push(self, token_id: int) -> str:
         """Add one generated id; return the text it completes ("" while a character is still incomplete)."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,8 @@ __all__ = ["Tokenizer"]
 logger = logging.getLogger(__name__)
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+# How many of a prompt's last ids a stream decoder decodes ahead of the generated ones (`StreamDecoder` context).
+_STREAM_CONTEXT = 4
 
 
 class Tokenizer:
@@ -160,13 +163,16 @@ class Tokenizer:
         """Text of `ids`; special (control) tokens are dropped unless `skip_special_tokens=False`."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
-        """A fresh incremental decoder for one generated sequence."""
+    def stream_decoder(
+        self, skip_special_tokens: bool = True, prompt_ids: Sequence[int] = ()
+    ) -> StreamDecoder:
+        """A fresh incremental decoder for one generated sequence, the text it adds to `prompt_ids`'."""
         backend = self._backend
         return StreamDecoder(
             lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens),
             byte_ids=self._byte_ids,
             skipped_ids=self._special_ids if skip_special_tokens else frozenset(),
+            context=prompt_ids[-_STREAM_CONTEXT:],
         )
 
     # -------------------------------------------------------------------------------------------------- chat
