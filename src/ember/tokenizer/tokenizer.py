@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -168,11 +169,17 @@ class Tokenizer:
     ) -> StreamDecoder:
         """A fresh incremental decoder for one generated sequence, the text it adds to `prompt_ids`'."""
         backend = self._backend
+        try:
+            context = [operator.index(i) for i in prompt_ids[-_STREAM_CONTEXT:]]
+        except TypeError:
+            context = []
+        if not all(0 <= i < self.vocab_size for i in context):
+            context = []  # a prompt the generation refuses, naming the id: nothing to decode here
         return StreamDecoder(
             lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens),
             byte_ids=self._byte_ids,
             skipped_ids=self._special_ids if skip_special_tokens else frozenset(),
-            context=prompt_ids[-_STREAM_CONTEXT:],
+            context=context,
         )
 
     # -------------------------------------------------------------------------------------------------- chat
