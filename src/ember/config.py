@@ -124,8 +124,6 @@ def rope_from_hf(
     p = dict(params)
     theta = p.pop("rope_theta", None) or hf.get("rope_theta") or 10000.0
     rope_type = p.pop("rope_type", None) or p.pop("type", None) or "default"
-    if rope_type == "su":  # Phi-3's early name for longrope
-        rope_type = "longrope"
     partial = p.pop("partial_rotary_factor", None) or hf.get("partial_rotary_factor") or 1.0
     if not partial_rotary:
         partial = 1.0

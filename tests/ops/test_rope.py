@@ -81,12 +81,12 @@ def test_cos_sin_match_transformers(case, length):
 
 
 def test_rope_from_hub_spellings():
-    """Hub configs spell scaling as rope_scaling + rope_theta, Phi-3 calls longrope 'su'."""
+    """Hub configs spell scaling as rope_scaling + rope_theta, the type as "type" (Phi-3's "su" is its family's)."""
     hf = dict(
         rope_theta=500000.0,
         max_position_embeddings=4096,
         original_max_position_embeddings=1024,
-        rope_scaling=dict(type="su", short_factor=[1.0] * 4, long_factor=[2.0] * 4),
+        rope_scaling=dict(type="longrope", short_factor=[1.0] * 4, long_factor=[2.0] * 4),
     )
     cfg = rope_from_hf(hf, head_dim=8)
     assert (cfg.rope_type, cfg.theta, cfg.rotary_dim) == ("longrope", 500000.0, 8)

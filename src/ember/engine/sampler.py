@@ -163,6 +163,20 @@ def apply_penalties(
     return logits
 
 
+def _top_p_drop(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Which of each row's tokens (most likely first) top-p drops: those the mass before which already reaches
+    p; never the first, and none in rows without top-p (rounding can take a float32 sum to 1 before the last)."""
+    drop = ((sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    drop[:, 0] = False
+    return drop
+
+
+def _min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """`logits` less the tokens whose probability is under min_p times the most likely one's."""
+    probs = logits.softmax(dim=-1)
+    return logits.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+
+
 def _filter(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p as masks. logits (B, V); each filter runs only if a row uses it."""
     logits = logits / st.temperature.clamp(min=1e-5)[:, None]
@@ -174,17 +188,10 @@ def _filter(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         logits = logits.masked_fill(logits < threshold, float("-inf"))
     if st.any_top_p:
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
-        probs = sorted_logits.softmax(dim=-1)
-        # Keep the smallest prefix whose mass reaches p: drop a token if the mass before it already does.
-        # (Rows without top-p drop nothing: rounding can take a float32 sum to 1 before the last token.)
-        drop = ((probs.cumsum(dim=-1) - probs) >= st.top_p[:, None]) & (st.top_p[:, None] < 1.0)
-        drop[:, 0] = False  # the most likely token always survives
+        drop = _top_p_drop(sorted_logits.softmax(dim=-1), st.top_p)
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     if st.any_min_p:
-        probs = logits.softmax(dim=-1)
-        logits = logits.masked_fill(
-            probs < st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf")
-        )
+        logits = _min_p_mask(logits, st.min_p)
     return logits
 
 
@@ -213,7 +220,8 @@ def _filter_candidates(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch
         last = vals[:, -1:]
         kth = vals.gather(-1, top_k.clamp(max=K) - 1)
         masked = vals.masked_fill(k_on & (vals < kth), float("-inf"))
-        covered = k_on & (kth > last)
+        k_inside = ~k_on | (kth > last)  # what top-k keeps is all among the candidates
+        covered = k_on.clone()
         if st.any_top_p:
             # The mass before a token is taken over what top-k kept (then all candidates), else everything.
             total = torch.where(k_on, masked.logsumexp(-1, keepdim=True), logits.logsumexp(-1, keepdim=True))
@@ -222,18 +230,13 @@ def _filter_candidates(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch
             covered |= (st.top_p[:, None] < 1.0) & (above >= st.top_p[:, None])
         if st.any_min_p:
             covered |= (st.min_p[:, None] > 0) & (last < vals[:, :1] + torch.log(st.min_p[:, None]))
-        covered = (covered & (~k_on | (kth > last))) | (st.temperature[:, None] == 0)  # greedy rows: argmax
+        covered = (covered & k_inside) | (st.temperature[:, None] == 0)  # greedy rows take the argmax
         if not bool(covered.all()):
             continue
         if st.any_top_p:
-            drop = ((probs.cumsum(dim=-1) - probs) >= st.top_p[:, None]) & (st.top_p[:, None] < 1.0)
-            drop[:, 0] = False
-            masked = masked.masked_fill(drop, float("-inf"))
+            masked = masked.masked_fill(_top_p_drop(probs, st.top_p), float("-inf"))
         if st.any_min_p:
-            probs = masked.softmax(dim=-1)
-            masked = masked.masked_fill(
-                probs < st.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, float("-inf")
-            )
+            masked = _min_p_mask(masked, st.min_p)
         return masked, ids
     return None
 

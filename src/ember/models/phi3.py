@@ -14,7 +14,8 @@ from ember.models.registry import Family, register
 
 
 def _rope_as_longrope(hf: dict) -> dict:
-    # transformers' Phi-3 reads early configs' "su" and "yarn" as LongRoPE and refuses any other scaling.
+    # transformers' Phi-3 reads early configs' "su" and "yarn" as LongRoPE and refuses any other scaling (only
+    # Phi-3 renames them: for another family "su" is an unknown rope type, "yarn" YaRN).
     source = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     rope = hf.get(source)
     if not isinstance(rope, dict):

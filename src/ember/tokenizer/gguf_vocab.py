@@ -238,15 +238,14 @@ def _sentencepiece_bpe(
     # Gemma's runs of 2-31 spaces are user-defined tokens spelled with real spaces: added tokens, matched whole on
     # the text before its spaces become "▁", longest first, as llama.cpp matches them (respelled with "▁" they
     # were BPE pieces instead: 32 spaces became 16 + 16, and a literal "▁▁" the two-space token).
-    pieces = tokens
-    vocab = {piece: i for i, piece in enumerate(pieces)}
-    rank = [-i for i in range(len(pieces))] if arch in _POSITION_RANKED_ARCHS else scores
+    vocab = {token: i for i, token in enumerate(tokens)}
+    rank = [-i for i in range(len(tokens))] if arch in _POSITION_RANKED_ARCHS else scores
     unk_id = _field(reader, "tokenizer.ggml.unknown_token_id")
     fast = FastTokenizer(
         BPE(
             vocab=vocab,
-            merges=_merges_from_vocab(pieces, vocab, rank),
-            unk_token=pieces[unk_id] if unk_id is not None else None,
+            merges=_merges_from_vocab(tokens, vocab, rank),
+            unk_token=tokens[unk_id] if unk_id is not None else None,
             fuse_unk=True,
             byte_fallback=True,
         )
