@@ -6,11 +6,13 @@ import asyncio
 import json
 import shutil
 import socket
+import time
 
 import httpx2
 import pytest
 
 from ember.serve import ServerLimits, create_app
+from tests.conftest import make_tiny_llama_dir
 
 from .conftest import API_KEY, MODEL, LiveServer
 
@@ -361,26 +363,48 @@ def test_chat_template_refusing_the_messages_is_400(tmp_path, tiny_llama_dir):
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def long_context_dir(tmp_path_factory, smollm2_tokenizer_dir):
+    """The tiny Llama with room for 8192 positions: a request that cannot finish while a test looks at it."""
+    return make_tiny_llama_dir(
+        tmp_path_factory.mktemp("tiny-long"), smollm2_tokenizer_dir, max_position_embeddings=8192
+    )
+
+
 @pytest.fixture
-def queue_server(tiny_llama_dir):
+def queue_server(long_context_dir):
     """A server running one sequence at a time with room for 4 waiting: its queue is easy to fill."""
     from ember.engine.core import EngineConfig
     from ember.llm import LLM
 
     # Its own engine (one engine thread per core).
     llm = LLM(
-        tiny_llama_dir, device="cpu", engine_config=EngineConfig(kv_cache_memory=16 << 20, max_num_seqs=1)
+        long_context_dir, device="cpu", engine_config=EngineConfig(kv_cache_memory=16 << 20, max_num_seqs=1)
     )
     server = LiveServer(create_app(llm, model_name=MODEL, limits=ServerLimits(max_waiting=4)))
     yield server
     server.stop()
 
 
+def wait_until_idle(server: LiveServer, timeout: float = 30) -> None:
+    """Until the engine holds no sequence and no admitted job waits to be queued (closed streams cancel theirs)."""
+    deadline = time.monotonic() + timeout
+    state = server.state
+    while (stats := state.engine.stats()).running or stats.waiting or any(r.unqueued for r in state.admitted):
+        assert time.monotonic() < deadline, f"still busy after {timeout} s: {stats}"
+        time.sleep(0.01)
+
+
 def test_queue_full_is_429_and_too_many_jobs_is_400(queue_server):
-    long = completion(max_tokens=400, ignore_eos=True, stream=True)
+    # 8000 tokens take seconds even for the tiny model: the one running sequence is still running, and its
+    # 4 waiting jobs still waiting, when the third request arrives (400 tokens could finish before it did).
+    long = completion(max_tokens=8000, ignore_eos=True, stream=True)
     with httpx2.Client(base_url=queue_server.url, timeout=30) as c:
         with c.stream("POST", COMPLETIONS, json=long) as running:
-            assert next(running.iter_lines()).startswith("data: {")  # it runs: the one sequence is taken
+            # Held: an iterator dropped after its first line is closed at once, and closing it closes the
+            # connection, which cancels the request (the queue then had room for the third request).
+            lines = running.iter_lines()
+            assert next(lines).startswith("data: {")  # it runs: the one sequence is taken
             with c.stream("POST", COMPLETIONS, json={**long, "n": 4}) as waiting:
                 assert waiting.status_code == 200  # its 4 jobs fill the queue
                 r = c.post(CHAT, json=chat())
@@ -391,6 +415,7 @@ def test_queue_full_is_429_and_too_many_jobs_is_400(queue_server):
             r = c.post(CHAT if "messages" in body else COMPLETIONS, json=body)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
             assert "at most 4" in r.json()["error"]["message"]
+        wait_until_idle(queue_server)
         assert c.post(CHAT, json=chat(n=4)).status_code == 200
 
 
