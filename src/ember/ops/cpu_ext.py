@@ -36,9 +36,11 @@
 The sources are compiled with the host's compiler (`$CXX`, else g++) for the host's instruction set
 (-march=native), against the installed torch; registered in C++, an op costs what an aten op does, inside a
 compiled step too. The library is kept in `$EMBER_CACHE_DIR/kernels/` under a key of the sources, torch's
-version, the compiler, the flags and the CPU, and is reused by every later process; a build takes ~10 s on 2
-cores. `available()` is False off x86, on CPUs with neither AVX2 nor VNNI, when no compiler or headers are
-found (one log line says why) and with EMBER_CPU_KERNELS=0: callers then keep torch's kernels.
+version, the compiler, the flags and the CPU, and is reused by every later process; a build takes about a
+minute on 2 cores (58 s on the 2-core Zen 4 VM: one compiler per source, `cpu_gemv.cpp` alone ~35 s; a
+precompiled ATen header saved only 14% and weighed 406 MiB). `available()` is False off x86, on CPUs with
+neither AVX2 nor VNNI, when no compiler or headers are found (one log line says why) and with
+EMBER_CPU_KERNELS=0: callers then keep torch's kernels.
 
 Layouts (tiles of 16 output rows; see the C++ source): `int4_tiles` and `int8_tiles` build them from the
 canonical codes; `int4_reference`, `int4_bf16_reference` (and `int4_silu_gate_up_bf16_reference`) and
@@ -166,7 +168,9 @@ def build(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> Path:
     stem = folder / f"{path.stem}.{os.getpid()}.tmp"
     objects = [stem.with_name(f"{stem.name}.{src.stem}.o") for src in SOURCES]
     # Seconds of silence inside a model's load otherwise: say so once, at the level the CLI shows by default.
-    log.warning("building Ember's CPU kernels for this machine (once, ~10 s) into %s", path)
+    log.warning(
+        "building Ember's CPU kernels for this machine (once; about a minute on 2 cores) into %s", path
+    )
     start = time.perf_counter()
     try:  # one compiler per source at once, then the link
         jobs = [
