@@ -149,12 +149,9 @@ def _anchor(tokenizer: Tokenizer) -> list[int]:
 
 
 def _decode_one(tokenizer: Tokenizer, token_id: int, skip_special_tokens: bool) -> str:
-    anchor = _anchor(tokenizer)
-    head = tokenizer.decode(anchor, skip_special_tokens=skip_special_tokens)
-    whole = tokenizer.decode([*anchor, token_id], skip_special_tokens=skip_special_tokens)
-    if anchor and whole.startswith(head):
-        return whole[len(head) :]
-    return tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens)
+    """The text `token_id` adds after the anchor, as the generated text has it (the stream decoder's context)."""
+    decoder = tokenizer.stream_decoder(skip_special_tokens, prompt_ids=_anchor(tokenizer))
+    return decoder.push(token_id) + decoder.flush()
 
 
 @lru_cache(maxsize=1 << 16)
