@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import secrets
 from pathlib import Path
 
 CACHE_DIR_ENV = "EMBER_CACHE_DIR"
@@ -14,3 +17,40 @@ def cache_root() -> Path:
     if not root:
         root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ember"
     return Path(root).expanduser()
+
+
+# A writer's temporary: NAME.PID-RANDOM.tmp, then perhaps more suffixes.
+_TEMPORARY = re.compile(r"\.(\d+)-[0-9a-f]+\.tmp(\.|$)")
+
+
+def temporary(path: Path, suffix: str = "") -> Path:
+    """The name a writer gives `path` until it renames it into place (atomic: no reader sees half a file): beside
+    it, with this process's id, so that a later writer can tell it from a live one's (`remove_stale`)."""
+    return path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp{suffix}")
+
+
+def remove_stale(folder: Path) -> None:
+    """Removes the temporaries in `folder` whose writers are gone: a process killed mid-write (SIGKILL, the OOM
+    killer, a closed terminal) leaves its temporary, which can be a model's worth of quantized weights."""
+    if os.name != "posix":  # os.kill(pid, 0) is a liveness test on POSIX only (Windows would end the process)
+        return
+    try:
+        names = [p.name for p in folder.iterdir()]
+    except OSError:
+        return
+    for name in names:
+        found = _TEMPORARY.search(name)
+        if found is None or _alive(int(found.group(1))):
+            continue
+        with contextlib.suppress(OSError):
+            (folder / name).unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process, say: alive
+        return True
+    return True

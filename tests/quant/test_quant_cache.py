@@ -234,6 +234,41 @@ def test_an_unusable_cache_file_is_a_warning_and_is_replaced(tmp_path, caplog, d
     assert sorted(tmp_path.iterdir()) == [path]  # no temporary file left behind
 
 
+# A writer that makes its temporary, writes into it, then sleeps (alive) or exits before its rename (killed).
+_WRITER = """
+import os, sys, time
+from pathlib import Path
+from ember.paths import temporary
+tmp = temporary(Path(sys.argv[1]))
+tmp.write_bytes(b"half a file")
+print(tmp, flush=True)
+time.sleep(60) if sys.argv[2] == "alive" else os._exit(9)
+"""
+
+
+def test_a_killed_writers_temporary_is_removed_by_the_next_save(tmp_path):
+    """A process killed mid-save (the OOM killer, say) leaves its temporary, a model's worth of weights; the next
+    save in the folder removes it, and leaves a live writer's alone."""
+    path = tmp_path / "tiny.safetensors"
+    env = {**os.environ, "PYTHONPATH": str(Path(quant_cache.__file__).parents[2])}
+    dead = subprocess.run(
+        [sys.executable, "-c", _WRITER, str(path), "dead"], capture_output=True, text=True, env=env
+    )
+    assert dead.returncode == 9, dead.stderr
+    live = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(path), "alive"], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        dead_tmp, live_tmp = Path(dead.stdout.strip()), Path(live.stdout.readline().strip())
+        assert dead_tmp.exists() and live_tmp.exists() and dead_tmp.parent == tmp_path
+        model, state = through_cache(path)
+        assert state == "miss"
+        assert sorted(tmp_path.iterdir()) == sorted([path, live_tmp])
+    finally:
+        live.kill()
+        live.wait()
+
+
 def test_an_unwritable_cache_dir_warns_once_and_still_quantizes(tmp_path, caplog):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")  # the cache folder would lie inside a file: mkdir fails, as on a read-only disk

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 import warnings
 from dataclasses import asdict
@@ -34,7 +33,7 @@ from torch import nn
 import ember
 from ember.engine.kv_cache import StaticKVCache
 from ember.models.decoder import Decoder
-from ember.paths import cache_root
+from ember.paths import cache_root, remove_stale, temporary
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +155,8 @@ def compile_decode_step(model: Decoder, cache: StaticKVCache, path: Path) -> Non
         exported = torch.export.export(
             _Exported(step, list(weights), cache), example, dynamic_shapes=shapes, strict=False
         )
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.pt2")
+        remove_stale(path.parent)
+        tmp = temporary(path, ".pt2")
         torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp))
     tmp.replace(path)  # atomic: a concurrent reader never sees half a package
 

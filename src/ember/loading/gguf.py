@@ -17,6 +17,7 @@ KV = kv_heads * D, I intermediate size, MI MoE expert intermediate size, X numbe
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -74,6 +75,24 @@ class _Reader(gguf.GGUFReader):
             offs += 8 + length
         return offs - orig_offs, parts, list(range(2, 2 + n)), types
 
+    def _build_tensors(self, start_offs: int, fields: list[gguf.ReaderField]) -> None:
+        # gguf-py views each tensor's bytes as it goes: one that runs past the end of a cut file fails as a
+        # numpy reshape. Every extent is checked first, so the error names the tensor.
+        for f in fields:
+            _, name, _, dims, raw_type, offset = f.parts
+            try:
+                block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(int(raw_type[0]))]
+            except (ValueError, KeyError):
+                continue  # an unknown type: gguf-py's own error names it
+            end = start_offs + int(offset[0]) + math.prod(int(d) for d in dims) * size // block
+            if end > len(self.data):
+                raise _PastTheEnd(f"tensor {bytes(name).decode(errors='replace')!r} ends at byte {end}")
+        super()._build_tensors(start_offs, fields)
+
+
+class _PastTheEnd(ValueError):
+    """A tensor's data runs past the end of the file."""
+
 
 def read_gguf(path: str | Path) -> gguf.GGUFReader:
     """Open a GGUF file (memory-mapped) and check that it is whole.
@@ -92,18 +111,13 @@ def read_gguf(path: str | Path) -> gguf.GGUFReader:
         raise CheckpointError(f"{path}: expected a GGUF file (magic 'GGUF'), found {magic!r}")
     size = path.stat().st_size
     try:
-        reader = _Reader(path, "r")
+        return _Reader(path, "r")
+    except _PastTheEnd as e:
+        raise CheckpointError(f"{path}: truncated GGUF file: {e} but the file has {size}") from e
     except (ValueError, IndexError, OverflowError, EOFError) as e:
         # gguf-py reads the header with numpy views of the mmap: a file cut short surfaces as a failed
         # reshape/view or an out-of-bounds index rather than as a clear error, so translate it here.
         raise CheckpointError(f"{path}: truncated or corrupt GGUF file ({size} bytes): {e}") from e
-    for t in reader.tensors:
-        end = int(t.data_offset) + int(t.n_bytes)
-        if end > size:
-            raise CheckpointError(
-                f"{path}: truncated GGUF file: tensor {t.name!r} ends at byte {end} but the file has {size}"
-            )
-    return reader
 
 
 def _field_value(f: gguf.ReaderField) -> object:

@@ -66,7 +66,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ember.paths import cache_root
+from ember.paths import cache_root, remove_stale, temporary
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,8 @@ def build(namespace: str = NAMESPACE, flags: tuple[str, ...] = ()) -> Path:
     if path.exists():
         return path
     folder.mkdir(parents=True, exist_ok=True)
-    stem = folder / f"{path.stem}.{os.getpid()}.tmp"
+    remove_stale(folder)
+    stem = temporary(folder / path.stem)
     objects = [stem.with_name(f"{stem.name}.{src.stem}.o") for src in SOURCES]
     # Seconds of silence inside a model's load otherwise: say so once, at the level the CLI shows by default.
     log.warning(

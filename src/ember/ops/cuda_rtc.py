@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ember.paths import cache_root
+from ember.paths import cache_root, remove_stale, temporary
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +218,8 @@ def load(path: Path, names: list[str], device: torch.device) -> dict[str, ctypes
         else:
             cubin, lowered = compile_cubin(source, names, arch, path.name, includes)
             cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = cache.with_suffix(f".tmp{os.getpid()}")
+            remove_stale(cache.parent)
+            tmp = temporary(cache)
             tmp.write_text("".join(f"{n}\t{lowered[n]}\n" for n in names))
             tmp.replace(names_file)
             tmp.write_bytes(cubin)  # last: a reader takes the pair only once the cubin is there

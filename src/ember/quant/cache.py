@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import re
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from safetensors import SafetensorError
 
 from ember.config import ModelConfig
 from ember.models.decoder import Decoder
-from ember.paths import cache_root
+from ember.paths import cache_root, remove_stale, temporary
 from ember.quant import (
     FORMAT_VERSION,
     QuantSpec,
@@ -102,9 +101,10 @@ def _read(
 def save(model: Decoder, path: Path) -> bool:
     """Saves `model` to `path` atomically; False (after one warning per folder) when the folder is unwritable."""
     # Unique per writer, so that two processes filling the same entry never write into one file.
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = temporary(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(path.parent)
         save_quantized(model, tmp)
         os.replace(tmp, path)
         return True
