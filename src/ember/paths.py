@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import secrets
+import socket
 from pathlib import Path
 
 CACHE_DIR_ENV = "EMBER_CACHE_DIR"
@@ -19,28 +21,35 @@ def cache_root() -> Path:
     return Path(root).expanduser()
 
 
-# A writer's temporary: NAME.PID-RANDOM.tmp, then perhaps more suffixes.
-_TEMPORARY = re.compile(r"\.(\d+)-[0-9a-f]+\.tmp(\.|$)")
+# A writer's temporary: NAME.HOST-PID-RANDOM.tmp, then perhaps more suffixes (HOST: a hash of the host's name).
+_TEMPORARY = re.compile(r"\.([0-9a-f]{8})-(\d+)-[0-9a-f]+\.tmp(\.|$)")
+
+
+def _host() -> str:
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
 def temporary(path: Path, suffix: str = "") -> Path:
     """The name a writer gives `path` until it renames it into place (atomic: no reader sees half a file): beside
-    it, with this process's id, so that a later writer can tell it from a live one's (`remove_stale`)."""
-    return path.with_name(f"{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp{suffix}")
+    it, with this host and process, so that a later writer can tell it from a live one's (`remove_stale`)."""
+    return path.with_name(f"{path.name}.{_host()}-{os.getpid()}-{secrets.token_hex(4)}.tmp{suffix}")
 
 
 def remove_stale(folder: Path) -> None:
     """Removes the temporaries in `folder` whose writers are gone: a process killed mid-write (SIGKILL, the OOM
-    killer, a closed terminal) leaves its temporary, which can be a model's worth of quantized weights."""
+    killer, a closed terminal) leaves its temporary, which can be a model's worth of quantized weights. Only
+    this host's: a cache folder shared with other machines or containers may hold their live writers' files,
+    whose process ids mean nothing here."""
     if os.name != "posix":  # os.kill(pid, 0) is a liveness test on POSIX only (Windows would end the process)
         return
     try:
         names = [p.name for p in folder.iterdir()]
     except OSError:
         return
+    host = _host()
     for name in names:
         found = _TEMPORARY.search(name)
-        if found is None or _alive(int(found.group(1))):
+        if found is None or found.group(1) != host or _alive(int(found.group(2))):
             continue
         with contextlib.suppress(OSError):
             (folder / name).unlink(missing_ok=True)
