@@ -134,11 +134,11 @@ def test_llama3_pre_tokenizer_takes_whole_words(tmp_path, pre, bos, hello):
     assert tok.encode("hello hello") == [*bos, *hello, 5, 6, 7, 4]  # "Ġhello" is no token: merged as usual
 
 
-def _write_sentencepiece_gguf(path, arch: str) -> None:
+def _write_sentencepiece_gguf(path, arch: str, last: str = "[INST]") -> None:
     """A tokenizer-only SentencePiece GGUF: control tokens, 256 byte pieces, a few words ranked by score."""
     import gguf
 
-    words = ["▁", "h", "i", "[", "]", "I", "N", "S", "T", "▁h", "hi", "▁hi", "▁▁", "▁[", "IN", "ST", "[INST]"]
+    words = ["▁", "h", "i", "[", "]", "I", "N", "S", "T", "▁h", "hi", "▁hi", "▁▁", "▁[", "IN", "ST", last]
     tokens = ["<unk>", "<s>", "</s>", "<|user|>", *(f"<0x{b:02X}>" for b in range(256)), *words]
     w = gguf.GGUFWriter(path, arch)
     w.add_tokenizer_model("llama")
@@ -193,22 +193,27 @@ def test_a_sentencepiece_vocabulary_is_built_once_then_loaded_from_the_cache(tmp
     it, a file with other tokenizer fields gets its own entry, and an unreadable entry is built again."""
     import gguf
 
+    from ember.loading.gguf import read_gguf
+
     cache = tmp_path / "cache"
     monkeypatch.setenv("EMBER_CACHE_DIR", str(cache))
     _write_sentencepiece_gguf(tmp_path / "a.gguf", "llama")
-    first = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "a.gguf"))
+    first = Tokenizer.from_gguf(read_gguf(tmp_path / "a.gguf"))
     [entry] = _cache_entries(cache)
-    again = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "a.gguf"))
+    again = Tokenizer.from_gguf(read_gguf(tmp_path / "a.gguf"))
     assert again.backend.to_str() == first.backend.to_str()
     for text, ids in _SPM_IDS:
         assert again.encode(text, add_special_tokens=False) == ids, text
-    _write_sentencepiece_gguf(
-        tmp_path / "b.gguf", "phi3"
-    )  # another architecture: the same vocabulary's key differs
+    # Another architecture (read by gguf-py's reader, whose string parts differ from Ember's), then a last token
+    # spelled otherwise, of the same length: each its own entry.
+    _write_sentencepiece_gguf(tmp_path / "b.gguf", "phi3")
     Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "b.gguf"))
     assert len(_cache_entries(cache)) == 2
+    _write_sentencepiece_gguf(tmp_path / "c.gguf", "llama", last="[TSNI]")
+    other = Tokenizer.from_gguf(read_gguf(tmp_path / "c.gguf"))
+    assert len(_cache_entries(cache)) == 3 and other.backend.id_to_token(276) == "[TSNI]"
     entry.write_text("{not json")
-    damaged = Tokenizer.from_gguf(gguf.GGUFReader(tmp_path / "a.gguf"))
+    damaged = Tokenizer.from_gguf(read_gguf(tmp_path / "a.gguf"))
     assert damaged.backend.to_str() == first.backend.to_str()
     assert entry.read_text().startswith("{") and json.loads(entry.read_text())  # rewritten whole
 

@@ -191,10 +191,13 @@ def _cached(reader: gguf.GGUFReader, build: Callable[[], FastTokenizer]) -> Fast
     this module: a SentencePiece vocabulary's merges are derived in Python (Gemma 3's 262k tokens: 3.0 s to
     build, 1.2 s to load the cached one). A cache that cannot be read or written is built around, silently."""
     digest = hashlib.sha256("\0".join([Path(__file__).read_text(), tokenizers.__version__]).encode())
+    # A field's bytes run up to the next field's (or the first tensor's entry, or the file's end).
+    starts = [f.offset for f in reader.fields.values()] + [t.field.offset for t in reader.tensors[:1]]
+    starts = sorted({*starts, len(reader.data)})
+    end_of = dict(zip(starts, starts[1:], strict=False))
     for name, f in sorted(reader.fields.items()):
         if name.startswith("tokenizer.ggml.") or name == "general.architecture":
-            digest.update(name.encode() + b"\0")
-            digest.update(memoryview(reader.data[f.offset : f.offset + sum(p.nbytes for p in f.parts)]))
+            digest.update(memoryview(reader.data[f.offset : end_of[f.offset]]))
     path = cache_root() / "tokenizers" / f"{digest.hexdigest()[:32]}.json"
     if path.is_file():
         try:
