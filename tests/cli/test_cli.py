@@ -313,17 +313,24 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly(tiny_llama_dir):
 def test_ctrl_c_while_the_command_starts_is_no_traceback():
     # Importing torch and the subcommands takes seconds; Ctrl-C then used to print the import's traceback.
     import signal
-    import time
 
     # As a terminal delivers it: a test run in the background of a shell without job control (CI) inherits
-    # SIGINT ignored, and so would the command.
-    proc = _ember(
-        "generate", "hello", "--max-new-tokens", "2",
+    # SIGINT ignored, and so would the command. The signal comes once the subcommands' imports have begun
+    # importing torch (`-X importtime` prints each import as it ends; ember's own package imports no torch): a
+    # fixed sleep came too early on a loaded runner, before the interpreter had its own SIGINT handler.
+    proc = subprocess.Popen(
+        [sys.executable, "-X", "importtime", "-m", "ember.cli.main", "generate", "hello", "--max-new-tokens", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
-    time.sleep(0.8)  # inside the imports (torch alone takes longer than this)
+    seen = []
+    while not any(line.rsplit("|", 1)[-1].strip().startswith("torch") for line in seen[-1:]):
+        line = proc.stderr.readline()
+        assert line, "".join(seen)  # the command ended before importing torch
+        seen.append(line)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
+    err = "".join(seen) + err
     assert proc.returncode == 130, err
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
 
