@@ -148,7 +148,12 @@ def test_unknown_architecture(capsys, tmp_path, tiny_llama_dir):
     cfg["architectures"] = ["FooBarForCausalLM"]
     (foreign / "config.json").write_text(json.dumps(cfg))
     code, _, err = run_cli(capsys, "generate", "hi", "--model", str(foreign))
-    assert_one_line_error(code, err, "'FooBarForCausalLM' is not supported", "LlamaForCausalLM")
+    where = str(foreign / "config.json")
+    assert_one_line_error(code, err, where, "'FooBarForCausalLM' is not supported", "LlamaForCausalLM")
+    del cfg["num_attention_heads"]
+    (foreign / "config.json").write_text(json.dumps({**cfg, "architectures": ["LlamaForCausalLM"]}))
+    code, _, err = run_cli(capsys, "generate", "hi", "--model", str(foreign))
+    assert_one_line_error(code, err, f"{where}: LlamaForCausalLM config lacks 'num_attention_heads'")
 
 
 def test_prompt_longer_than_the_context(capsys, tiny_llama_dir):

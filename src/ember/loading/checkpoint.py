@@ -121,6 +121,14 @@ def keeps_codes(fmt: str, quantize: str | None, device: torch.device, dtype: tor
     return cpu_ext.available()
 
 
+def _config(hf: dict, source: Path) -> ModelConfig:
+    """`config_from_hf`, its errors naming the file the config came from."""
+    try:
+        return config_from_hf(hf)
+    except EmberError as e:
+        raise type(e)(f"{source}: {e}") from None
+
+
 def load(
     name: str | Path,
     *,
@@ -159,7 +167,7 @@ def load(
 
         reader = gguf.read_gguf(resolved.path)
         hf = gguf.gguf_to_hf_config(reader)
-        cfg = config_from_hf(hf)
+        cfg = _config(hf, resolved.path)
         family = get_family(cfg.architecture)
         tokenizer = Tokenizer.from_gguf(reader)
         extra_eos = _ids(hf.get("eos_token_id"), str(resolved.path)) + tokenizer.end_ids
@@ -172,7 +180,7 @@ def load(
 
     else:
         hf = read_hf_config(resolved.path)
-        cfg = config_from_hf(hf)
+        cfg = _config(hf, resolved.path / "config.json")
         family = get_family(cfg.architecture)
         tokenizer = Tokenizer.from_dir(resolved.path)
         gen = _generation_config(resolved.path)
