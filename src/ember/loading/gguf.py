@@ -47,8 +47,9 @@ class _Reader(gguf.GGUFReader):
 
     gguf-py makes two numpy views of the memory map per element of an array field; a 49k-token vocabulary
     and its 49k merges made that ~3.5 s of SmolLM2's ~6 s load. Here a numeric array is one view and a
-    string array is walked over a memoryview, each string one small array, in the layout (`parts`, `data`)
-    that `ReaderField.contents()` reads. Empty, nested and byte-swapped arrays take gguf-py's own path.
+    string array is walked over a memoryview, each string a slice of it (a fifth of a numpy view's cost), in
+    the layout (`parts`, `data`) that `ReaderField.contents()` reads. Empty, nested and byte-swapped arrays
+    take gguf-py's own path.
     """
 
     def _get_field_parts(self, orig_offs: int, raw_type: int):
@@ -66,12 +67,12 @@ class _Reader(gguf.GGUFReader):
             values = self._get(offs, nptype, n)
             return offs + values.nbytes - orig_offs, [raw_itype, alen, values], [2], types
         buf = memoryview(self.data)
-        parts: list[np.ndarray] = [raw_itype, alen]
+        parts: list[np.ndarray | memoryview] = [raw_itype, alen]
         for _ in range(n):
             length = int.from_bytes(buf[offs : offs + 8], "little")
             if offs + 8 + length > len(buf):
                 raise ValueError(f"a string at byte {offs} runs past the end of the file ({len(buf)} bytes)")
-            parts.append(np.frombuffer(buf[offs + 8 : offs + 8 + length], dtype=np.uint8))
+            parts.append(buf[offs + 8 : offs + 8 + length])  # a view; `contents()` takes its .tobytes()
             offs += 8 + length
         return offs - orig_offs, parts, list(range(2, 2 + n)), types
 
