@@ -8,6 +8,7 @@ import os
 import re
 import secrets
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 CACHE_DIR_ENV = "EMBER_CACHE_DIR"
@@ -33,6 +34,20 @@ def temporary(path: Path, suffix: str = "") -> Path:
     """The name a writer gives `path` until it renames it into place (atomic: no reader sees half a file): beside
     it, with this host and process, so that a later writer can tell it from a live one's (`remove_stale`)."""
     return path.with_name(f"{path.name}.{_host()}-{os.getpid()}-{secrets.token_hex(4)}.tmp{suffix}")
+
+
+def write_atomically(path: Path, write: Callable[[Path], object], suffix: str = "") -> None:
+    """`write(tmp)` to a temporary beside `path` (`temporary(path, suffix)`), then renamed to `path`; the folder is
+    made if need be and dead writers' temporaries in it removed first. Whatever `write` raises propagates, and
+    its temporary is gone."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale(path.parent)
+    tmp = temporary(path, suffix)
+    try:
+        write(tmp)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def remove_stale(folder: Path) -> None:

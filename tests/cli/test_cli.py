@@ -328,11 +328,10 @@ def test_ctrl_c_while_the_command_starts_is_no_traceback():
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
-    seen = []
-    while not any(line.rsplit("|", 1)[-1].strip().startswith("torch") for line in seen[-1:]):
-        line = proc.stderr.readline()
-        assert line, "".join(seen)  # the command ended before importing torch
-        seen.append(line)
+    seen: list[str] = []
+    while not seen or not seen[-1].rsplit("|", 1)[-1].strip().startswith("torch"):  # "... | torch._utils"
+        seen.append(proc.stderr.readline())
+        assert seen[-1], "".join(seen)  # the command ended before importing torch
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     err = "".join(seen) + err

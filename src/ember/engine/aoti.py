@@ -33,7 +33,7 @@ from torch import nn
 import ember
 from ember.engine.kv_cache import StaticKVCache
 from ember.models.decoder import Decoder
-from ember.paths import cache_root, remove_stale, temporary
+from ember.paths import cache_root, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -155,10 +155,12 @@ def compile_decode_step(model: Decoder, cache: StaticKVCache, path: Path) -> Non
         exported = torch.export.export(
             _Exported(step, list(weights), cache), example, dynamic_shapes=shapes, strict=False
         )
-        remove_stale(path.parent)
-        tmp = temporary(path, ".pt2")
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp))
-    tmp.replace(path)  # atomic: a concurrent reader never sees half a package
+        # atomic: a concurrent reader never sees half a package
+        write_atomically(
+            path,
+            lambda tmp: torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp)),
+            ".pt2",
+        )
 
 
 class AOTIDecodeStep:

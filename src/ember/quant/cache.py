@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,7 +29,7 @@ from safetensors import SafetensorError
 
 from ember.config import ModelConfig
 from ember.models.decoder import Decoder
-from ember.paths import cache_root, remove_stale, temporary
+from ember.paths import cache_root, write_atomically
 from ember.quant import (
     FORMAT_VERSION,
     QuantSpec,
@@ -100,13 +99,8 @@ def _read(
 
 def save(model: Decoder, path: Path) -> bool:
     """Saves `model` to `path` atomically; False (after one warning per folder) when the folder is unwritable."""
-    # Unique per writer, so that two processes filling the same entry never write into one file.
-    tmp = temporary(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale(path.parent)
-        save_quantized(model, tmp)
-        os.replace(tmp, path)
+    try:  # a temporary unique per writer: two processes filling the same entry never write into one file
+        write_atomically(path, lambda tmp: save_quantized(model, tmp))
         return True
     except (OSError, SafetensorError) as e:  # read-only, missing or full: safetensors reports I/O its own way
         if path.parent not in _unwritable_warned:
@@ -115,9 +109,6 @@ def save(model: Decoder, path: Path) -> bool:
                 "quant cache: cannot write to %s (%s); quantized weights will not be cached", path.parent, e
             )
         return False
-    finally:
-        if tmp.exists():  # a failed write; after os.replace the name is gone
-            tmp.unlink()
 
 
 def load_or_quantize(

@@ -36,7 +36,7 @@ from tokenizers import Tokenizer as FastTokenizer
 from tokenizers.models import BPE
 
 from ember.errors import TokenizerError
-from ember.paths import cache_root, remove_stale, temporary
+from ember.paths import cache_root, write_atomically
 
 if TYPE_CHECKING:
     import gguf
@@ -205,16 +205,10 @@ def _cached(reader: gguf.GGUFReader, build: Callable[[], FastTokenizer]) -> Fast
         except Exception as e:  # noqa: BLE001  (tokenizers raises plain Exceptions): build it again
             log.debug("tokenizer cache: %s unreadable (%s); building the tokenizer again", path, e)
     fast = build()
-    tmp = temporary(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale(path.parent)
-        fast.save(str(tmp), pretty=False)
-        tmp.replace(path)
+        write_atomically(path, lambda tmp: fast.save(str(tmp), pretty=False))
     except Exception as e:  # noqa: BLE001  (an unwritable or full disk; tokenizers' own errors are plain)
         log.debug("tokenizer cache: cannot write %s (%s)", path, e)
-    finally:
-        tmp.unlink(missing_ok=True)
     return fast
 
 
