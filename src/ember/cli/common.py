@@ -63,7 +63,10 @@ def stdin_keeps_bad_bytes() -> None:
         reconfigure(errors="surrogateescape")
 
 
-def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = False) -> None:
+def add_model_options(
+    parser: argparse.ArgumentParser, *, positional: bool = False, compiles: bool = True
+) -> None:
+    """The options that pick and load a model; `compiles`: with --compile and --compile-prefill."""
     if positional:
         parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help="same as --model")
     parser.add_argument(
@@ -85,19 +88,20 @@ def add_model_options(parser: argparse.ArgumentParser, *, positional: bool = Fal
     parser.add_argument(
         "--max-seq-len", type=integer(1), default=None, help="cap the context (and the KV cache) length"
     )
-    parser.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="compile the decode step (CPU: an AOTInductor package, built once per model shape in minutes and "
-        "kept in $EMBER_CACHE_DIR/aoti; CUDA: torch.compile and a CUDA graph). Default: on CPU, decode with "
-        "such a package where an earlier --compile run built one, else eagerly; --no-compile: eagerly",
-    )
-    parser.add_argument(
-        "--compile-prefill",
-        action="store_true",
-        help="also compile the prefill (dynamic shapes; on CUDA a CUDA graph per padded prompt length)",
-    )
+    if compiles:
+        parser.add_argument(
+            "--compile",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="compile the decode step (CPU: an AOTInductor package, built once per model shape in minutes and "
+            "kept in $EMBER_CACHE_DIR/aoti; CUDA: torch.compile and a CUDA graph). Default: on CPU, decode with "
+            "such a package where an earlier --compile run built one, else eagerly; --no-compile: eagerly",
+        )
+        parser.add_argument(
+            "--compile-prefill",
+            action="store_true",
+            help="also compile the prefill (dynamic shapes; on CUDA a CUDA graph per padded prompt length)",
+        )
     parser.add_argument(
         "--quantize",
         type=scheme,

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 
-SUBCOMMANDS = ("generate", "chat", "serve", "browser", "list", "download", "bench")
+SUBCOMMANDS = ("generate", "chat", "serve", "browser", "list", "download", "bench", "eval")
 
 
 def build_parser() -> argparse.ArgumentParser:

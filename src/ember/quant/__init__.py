@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -369,21 +368,7 @@ QUALITY_TEXT = (
 
 
 def perplexity(model: nn.Module, tokens: torch.Tensor) -> float:
-    """exp(mean next-token negative log-likelihood) of tokens (1, T) in one forward pass."""
-    from ember.engine.kv_cache import StaticKVCache
+    """exp(mean next-token negative log-likelihood) of tokens (1, T) in one forward pass (`ember.eval`)."""
+    from ember.eval import perplexity as windowed
 
-    T = tokens.shape[1]
-    device = tokens.device
-    cache = StaticKVCache(
-        model.config,
-        batch_size=1,
-        max_seq_len=T,
-        device=device,
-        dtype=model.model.norm.weight.dtype,
-        prompts_from_start=True,
-    )
-    with torch.inference_mode():
-        hidden = model(tokens, torch.arange(T, device=device)[None], cache)  # (1, T, E)
-        logits = model.compute_logits(hidden)  # (1, T, V)
-        nll = F.cross_entropy(logits[0, :-1].float(), tokens[0, 1:])
-    return float(torch.exp(nll))
+    return windowed(model, tokens[0]).perplexity
