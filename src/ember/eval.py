@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm.auto import tqdm
 
 from ember.engine.kv_cache import StaticKVCache
 
@@ -66,9 +67,11 @@ def perplexity(
     *,
     window: int | None = None,
     stride: int | None = None,
+    progress: bool = False,
 ) -> Perplexity:
     """The perplexity of `tokens` (ids, at least 2) under `model` (an Ember Decoder), windows of `window` tokens
-    (default: all of them in one) `stride` apart (default: half a window)."""
+    (default: all of them in one) `stride` apart (default: half a window); `progress`: a bar of windows on
+    stderr."""
     ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
     count = ids.numel()
     if count < 2:
@@ -89,7 +92,9 @@ def perplexity(
     total = 0.0
     start = time.perf_counter()
     with torch.inference_mode():
-        for begin, end, first in spans:
+        for begin, end, first in tqdm(
+            spans, desc="scoring", unit="window", disable=not progress, leave=False
+        ):
             x = ids[begin:end][None]
             hidden = model(x, torch.arange(end - begin, device=device)[None], cache)[0]  # (T, E)
             # The targets first .. end-1, each predicted by the position before it (window-relative).

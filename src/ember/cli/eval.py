@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     ids = loaded.tokenizer.encode(text)
     if len(ids) < 2:
         raise EmberError(f"{text_name} is {len(ids)} token(s) long; perplexity needs at least 2")
-    result = perplexity(loaded.model, ids, window=window, stride=stride)
+    result = perplexity(loaded.model, ids, window=window, stride=stride, progress=sys.stderr.isatty())
     scheme = args.quantize or ("the file's codes" if loaded.kept_codes else "none")
     if args.json:
         out = {
