@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from ember.cli.common import add_model_options, integer, model_name
+from ember.cli.common import add_model_options, integer, load_model
 from ember.errors import ContextLengthError, EmberError
 
 log = logging.getLogger(__name__)
@@ -86,17 +86,7 @@ def run(args: argparse.Namespace) -> int:
         model = random_model(args.random_weights, device=device, dtype=dtype, quantize=scheme)
         name = f"random:{args.random_weights}"
     else:
-        from ember.loading.checkpoint import load
-
-        loaded = load(
-            model_name(args),
-            device=args.device,
-            dtype=args.dtype,
-            allow_pickle=args.allow_pickle,
-            progress=False,
-            quantize=args.quantize,
-            quant_cache=args.quant_cache,
-        )
+        loaded = load_model(args)
         model, device, name, kept = loaded.model, loaded.device, loaded.name, loaded.kept_codes
         check_context(args, bench_context(model.config, args.max_seq_len))
     result = run_bench(

@@ -169,6 +169,21 @@ def sampling_params(args: argparse.Namespace, model_defaults: dict) -> SamplingP
     )
 
 
+def load_model(args: argparse.Namespace):
+    """The LoadedModel the loading options name (no progress bar: for commands that measure it)."""
+    from ember.loading.checkpoint import load
+
+    return load(
+        model_name(args),
+        device=args.device,
+        dtype=args.dtype,
+        allow_pickle=args.allow_pickle,
+        progress=False,
+        quantize=args.quantize,
+        quant_cache=args.quant_cache,
+    )
+
+
 def load_llm(args: argparse.Namespace):
     from ember.llm import LLM
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ember.cli.common import add_model_options, integer, model_name
+from ember.cli.common import add_model_options, integer, load_model
 from ember.errors import ContextLengthError, EmberError
 
 # The default window where the model's context is longer: a forward of 2048 tokens keeps a CPU's evaluation
@@ -102,20 +102,11 @@ def check_windows(args: argparse.Namespace, context: int) -> tuple[int, int]:
 
 def run(args: argparse.Namespace) -> int:
     from ember.eval import perplexity
-    from ember.loading.checkpoint import load
 
     if args.threads:
         torch.set_num_threads(args.threads)
     text, text_name = read_text(args.text)  # before a model loads: a wrong path costs no seconds
-    loaded = load(
-        model_name(args),
-        device=args.device,
-        dtype=args.dtype,
-        allow_pickle=args.allow_pickle,
-        progress=False,
-        quantize=args.quantize,
-        quant_cache=args.quant_cache,
-    )
+    loaded = load_model(args)
     context = loaded.config.max_position_embeddings
     if args.max_seq_len is not None:
         context = min(context, args.max_seq_len)
