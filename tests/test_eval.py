@@ -143,3 +143,66 @@ def test_eval_of_the_default_model_is_transformers_perplexity_of_the_file(smollm
     )
     assert (r["tokens"], r["scored"], r["windows"]) == (len(ids), scored, 1)
     assert r["perplexity"] == pytest.approx(expected, rel=1e-3)
+
+
+def test_compare_is_transformers_divergence_between_two_models(
+    tiny_llama_dir, hf_model, smollm2_tokenizer_dir, tmp_path
+):
+    """Two different models (the tiny Llama, and it with its weights moved by noise): each side's perplexity,
+    the mean and 99th-percentile KL divergence and the top-token agreement, against the same quantities from
+    transformers' logits of both over the same windows."""
+    from transformers import AutoModelForCausalLM
+
+    from ember.eval import compare
+    from tests.conftest import save_tiny
+
+    other = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.3 * p.std() * torch.randn_like(p))
+    other_dir = save_tiny(other, tmp_path / "other", smollm2_tokenizer_dir)
+    ids = torch.randint(0, 49152, (150,)).tolist()
+    ours, theirs, divergence = compare(
+        load_hf_dir(other_dir), load_hf_dir(tiny_llama_dir), ids, window=64, stride=24
+    )
+    assert ours.perplexity == pytest.approx(transformers_perplexity(other, ids, 64, 24)[0], rel=1e-5)
+    assert theirs.perplexity == pytest.approx(transformers_perplexity(hf_model, ids, 64, 24)[0], rel=1e-5)
+
+    kl, same = [], 0
+    for begin, end, first in windows(len(ids), 64, 24):
+        x = torch.tensor([ids[begin:end]])
+        with torch.no_grad():
+            p = torch.log_softmax(hf_model(x).logits[0, first - 1 - begin : end - 1 - begin], -1)
+            q = torch.log_softmax(other(x).logits[0, first - 1 - begin : end - 1 - begin], -1)
+        kl.append(torch.nn.functional.kl_div(q, p, log_target=True, reduction="none").sum(-1))
+        same += int((p.argmax(-1) == q.argmax(-1)).sum())
+    kl = torch.cat(kl).double()
+    assert kl.numel() == len(ids) - 1
+    assert divergence.kl_divergence == pytest.approx(float(kl.mean()), rel=1e-4)
+    assert divergence.kl_divergence_p99 == pytest.approx(float(kl.quantile(0.99)), rel=1e-4)
+    assert divergence.top_agreement == same / (len(ids) - 1)
+    assert 0 < divergence.top_agreement < 1 and divergence.kl_divergence > 1e-3
+
+
+def test_eval_versus_reports_both_runs_on_the_same_windows(tiny_llama_dir, capsys):
+    base = ["eval", str(tiny_llama_dir), "--json", "--no-quant-cache", "--window", "64", "--stride", "32"]
+    assert main([*base, "--quantize", "int8", "--versus", "none"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert main(base) == 0
+    float_run = json.loads(capsys.readouterr().out)
+    assert main([*base, "--quantize", "int8"]) == 0
+    int8_run = json.loads(capsys.readouterr().out)
+    assert (r["quantize"], r["versus"]["quantize"]) == ("int8", "none")
+    assert r["perplexity"] == int8_run["perplexity"] and r["versus"]["perplexity"] == float_run["perplexity"]
+    v = r["versus"]
+    assert 0 < v["kl_divergence"] < v["kl_divergence_p99"] < 0.05 and 0.5 < v["top_agreement"] <= 1
+
+    assert main([*base, "--versus", "none"]) == 0  # the same weights: no divergence at all
+    same = json.loads(capsys.readouterr().out)["versus"]
+    assert (same["kl_divergence"], same["kl_divergence_p99"], same["top_agreement"]) == (0, 0, 1)
+
+    assert (
+        main(["eval", str(tiny_llama_dir), "--quantize", "int8", "--versus", "none", "--no-quant-cache"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "  versus      none: perplexity " in out and "the same most likely token at " in out

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -61,6 +61,57 @@ def windows(count: int, window: int, stride: int) -> list[tuple[int, int, int]]:
         scored_to, begin = end, begin + stride
 
 
+class _Scorer:
+    """One model's side of an evaluation: its cache, its summed negative log-likelihood and its seconds."""
+
+    def __init__(self, model: nn.Module, window: int) -> None:
+        self.model, self.total, self.seconds = model, 0.0, 0.0
+        self.device = model.model.norm.weight.device
+        self.cache = StaticKVCache(
+            model.config,
+            batch_size=1,
+            max_seq_len=window,
+            device=self.device,
+            dtype=model.model.norm.weight.dtype,
+            prompts_from_start=True,
+        )
+
+    def chunks(
+        self, ids: torch.Tensor, spans: list[tuple[int, int, int]], progress: bool = False
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(logits (rows, V) float32, the tokens they predict (rows,)) of every scored position in order, a
+        window's forward at a time; the seconds counted are the model's, not the caller's between chunks."""
+        model, ids = self.model, ids.to(self.device)
+        bar = tqdm(spans, desc="scoring", unit="window", disable=not progress, leave=False)
+        for begin, end, first in bar:
+            start = time.perf_counter()
+            x = ids[begin:end][None]
+            hidden = model(x, torch.arange(end - begin, device=self.device)[None], self.cache)[0]  # (T, E)
+            # The targets first .. end-1, each predicted by the position before it (window-relative).
+            for row in range(first - 1 - begin, end - 1 - begin, LOGIT_ROWS):
+                rows = slice(row, min(row + LOGIT_ROWS, end - 1 - begin))
+                logits = model.compute_logits(hidden[None, rows])[0]
+                targets = ids[begin + rows.start + 1 : begin + rows.stop + 1]
+                self.total += float(F.cross_entropy(logits, targets, reduction="sum").double())
+                self.seconds += time.perf_counter() - start
+                yield logits, targets
+                start = time.perf_counter()
+
+    def result(self, count: int, spans: list, window: int, stride: int) -> Perplexity:
+        nll = self.total / (count - 1)
+        return Perplexity(math.exp(nll), nll, count, count - 1, len(spans), window, stride, self.seconds)
+
+
+def _plan(tokens: Sequence[int] | torch.Tensor, window: int | None, stride: int | None):
+    ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+    count = ids.numel()
+    if count < 2:
+        raise ValueError(f"perplexity needs at least 2 tokens, got {count}")
+    window = min(window or count, count)
+    stride = min(stride or window // 2, window - 1)
+    return ids, count, window, stride, windows(count, window, stride)
+
+
 def perplexity(
     model: nn.Module,
     tokens: Sequence[int] | torch.Tensor,
@@ -72,47 +123,48 @@ def perplexity(
     """The perplexity of `tokens` (ids, at least 2) under `model` (an Ember Decoder), windows of `window` tokens
     (default: all of them in one) `stride` apart (default: half a window); `progress`: a bar of windows on
     stderr."""
-    ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-    count = ids.numel()
-    if count < 2:
-        raise ValueError(f"perplexity needs at least 2 tokens, got {count}")
-    window = min(window or count, count)
-    stride = min(stride or window // 2, window - 1)
-    device = model.model.norm.weight.device
-    ids = ids.to(device)
-    spans = windows(count, window, stride)
-    cache = StaticKVCache(
-        model.config,
-        batch_size=1,
-        max_seq_len=window,
-        device=device,
-        dtype=model.model.norm.weight.dtype,
-        prompts_from_start=True,
-    )
-    total = 0.0
-    start = time.perf_counter()
+    ids, count, window, stride, spans = _plan(tokens, window, stride)
+    scorer = _Scorer(model, window)
     with torch.inference_mode():
-        for begin, end, first in tqdm(
-            spans, desc="scoring", unit="window", disable=not progress, leave=False
+        for _ in scorer.chunks(ids, spans, progress):
+            pass
+    return scorer.result(count, spans, window, stride)
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """How far a model's next-token distributions are from a reference's, over the scored positions."""
+
+    kl_divergence: float  # mean KL(reference || model), nats a token
+    kl_divergence_p99: float  # its 99th percentile over positions
+    top_agreement: float  # the share of positions where both models' most likely token is the same
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def compare(
+    model: nn.Module,
+    reference: nn.Module,
+    tokens: Sequence[int] | torch.Tensor,
+    *,
+    window: int | None = None,
+    stride: int | None = None,
+    progress: bool = False,
+) -> tuple[Perplexity, Perplexity, Divergence]:
+    """`model`'s and `reference`'s perplexities of `tokens` over the same windows, and the divergence of
+    `model`'s predictions from `reference`'s at each scored position (llama.cpp's measure of a quantization:
+    perplexities of a short text move by a percent either way on noise alone, the divergence does not)."""
+    ids, count, window, stride, spans = _plan(tokens, window, stride)
+    ours, theirs = _Scorer(model, window), _Scorer(reference, window)
+    kl, same = [], 0
+    with torch.inference_mode():
+        for (logits, _), (ref, _) in zip(
+            ours.chunks(ids, spans, progress), theirs.chunks(ids, spans), strict=True
         ):
-            x = ids[begin:end][None]
-            hidden = model(x, torch.arange(end - begin, device=device)[None], cache)[0]  # (T, E)
-            # The targets first .. end-1, each predicted by the position before it (window-relative).
-            for row in range(first - 1 - begin, end - 1 - begin, LOGIT_ROWS):
-                rows = slice(row, min(row + LOGIT_ROWS, end - 1 - begin))
-                logits = model.compute_logits(hidden[None, rows])[0]  # (rows, V) float32
-                targets = ids[begin + rows.start + 1 : begin + rows.stop + 1]
-                total += float(F.cross_entropy(logits, targets, reduction="sum").double())
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    nll = total / (count - 1)
-    return Perplexity(
-        perplexity=math.exp(nll),
-        nll=nll,
-        tokens=count,
-        scored=count - 1,
-        windows=len(spans),
-        window=window,
-        stride=stride,
-        seconds=time.perf_counter() - start,
-    )
+            log_p, log_q = F.log_softmax(ref, -1), F.log_softmax(logits.to(ref.device), -1)
+            kl.append((log_p.exp() * (log_p - log_q)).sum(-1).double().cpu())
+            same += int((logits.argmax(-1).to(ref.device) == ref.argmax(-1)).sum())
+    kl = torch.cat(kl)
+    divergence = Divergence(float(kl.mean()), float(kl.quantile(0.99)), same / (count - 1))
+    return ours.result(count, spans, window, stride), theirs.result(count, spans, window, stride), divergence

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ember.cli.common import add_model_options, integer, load_model
+from ember.cli.common import add_model_options, integer, load_model, scheme
 from ember.errors import ContextLengthError, EmberError
 
 # The default window where the model's context is longer: a forward of 2048 tokens keeps a CPU's evaluation
@@ -48,6 +48,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=integer(1),
         default=None,
         help="tokens from one window's start to the next's (default: half the window)",
+    )
+    p.add_argument(
+        "--versus",
+        type=scheme,
+        default=None,
+        metavar="SCHEME",
+        help="also load the model with this --quantize scheme ('none': every weight in --dtype) and report its "
+        "perplexity on the same windows, and how far this run's next-token distributions are from its (mean "
+        "and 99th-percentile KL divergence, the share of positions whose most likely token agrees)",
     )
     p.add_argument("--threads", type=integer(1), default=None, help="CPU threads (torch.set_num_threads)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -101,7 +110,7 @@ def check_windows(args: argparse.Namespace, context: int) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ember.eval import perplexity
+    from ember.eval import compare, perplexity
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -114,22 +123,39 @@ def run(args: argparse.Namespace) -> int:
     ids = loaded.tokenizer.encode(text)
     if len(ids) < 2:
         raise EmberError(f"{text_name} is {len(ids)} token(s) long; perplexity needs at least 2")
-    result = perplexity(loaded.model, ids, window=window, stride=stride, progress=sys.stderr.isatty())
-    scheme = args.quantize or ("the file's codes" if loaded.kept_codes else "none")
+    progress = sys.stderr.isatty()
+    versus = divergence = None
+    if args.versus is not None:
+        reference = load_model(argparse.Namespace(**{**vars(args), "quantize": args.versus}))
+        result, versus, divergence = compare(
+            loaded.model, reference.model, ids, window=window, stride=stride, progress=progress
+        )
+        versus_scheme = scheme_of(args.versus, reference)
+    else:
+        result = perplexity(loaded.model, ids, window=window, stride=stride, progress=progress)
+    scheme = scheme_of(args.quantize, loaded)
+    dtype = str(loaded.dtype).removeprefix("torch.")
     if args.json:
         out = {
             "model": loaded.name,
             "text": text_name,
             "quantize": scheme,
             "device": str(loaded.device),
-            "dtype": str(loaded.dtype).removeprefix("torch."),
+            "dtype": dtype,
             **result.to_dict(),
             "load_s": round(loaded.load_s, 3),
         }
+        if versus is not None:
+            out["versus"] = {
+                "quantize": versus_scheme,
+                "perplexity": versus.perplexity,
+                "nll": versus.nll,
+                "seconds": versus.seconds,
+                **divergence.to_dict(),
+            }
         print(json.dumps(out))
         return 0
     r = result
-    dtype = str(loaded.dtype).removeprefix("torch.")
     print(f"{loaded.name} ({loaded.device}, {dtype}, quantization: {scheme}) on {text_name}")
     if r.windows == 1:
         print(f"  tokens      {r.tokens} ({r.scored} scored in one forward)")
@@ -138,5 +164,17 @@ def run(args: argparse.Namespace) -> int:
             f"  tokens      {r.tokens} ({r.scored} scored in {r.windows} windows of <= {r.window}, {r.stride} apart)"
         )
     print(f"  perplexity  {r.perplexity:.4f} (nll {r.nll:.4f} nats a token)")
+    if versus is not None:
+        d, ratio = divergence, r.perplexity / versus.perplexity - 1
+        print(f"  versus      {versus_scheme}: perplexity {versus.perplexity:.4f} ({ratio:+.2%} here)")
+        print(
+            f"  divergence  KL from {versus_scheme} {d.kl_divergence:.5f} nats a token (99th percentile "
+            f"{d.kl_divergence_p99:.5f}); the same most likely token at {d.top_agreement:.2%} of positions"
+        )
     print(f"  time        {r.seconds:.2f} s (load {loaded.load_s:.2f} s)")
     return 0
+
+
+def scheme_of(quantize: str | None, loaded) -> str:
+    """What a run's weights are, for its report: the scheme asked for, else the file's kept codes or none."""
+    return quantize or ("the file's codes" if loaded.kept_codes else "none")
