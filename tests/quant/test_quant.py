@@ -214,6 +214,31 @@ def test_quantize_save_load_round_trip(scheme, tmp_path):
     assert perplexity(loaded, tokens) == pytest.approx(after, rel=1e-6)
 
 
+def test_int8_weights_on_a_cpu_run_the_float_activation_kernel_from_one_copy_of_the_codes():
+    """int8 weight-only in float32 on a CPU where Ember's kernels run: `int8_gemv_f32`, the dequantized weights'
+    float linear (one or two rows to float32's precision, more as int16 activation codes to 2^-16 of a block's
+    largest |x|; torch's kernel rounds the activations to bf16, ~3e-3), its tiles in place of the codes, which
+    the state dict and `dequantize` still give exactly."""
+    from ember.ops import cpu_ext
+    from ember.quant.linear import float_linear
+
+    if not cpu_ext.available():
+        pytest.skip("Ember's CPU kernels are not built here")
+    q = QuantSpec.parse("int8").make(nn.Linear(256, 96))
+    codes, weights = q.qweight.clone(), q.dequantize()
+    q.prepare()
+    assert q.qweight is None and q.streamed_weight() is q._tiles
+    assert torch.equal(q.state_dict()["qweight"], codes) and torch.equal(q.dequantize(), weights)
+    for rows, bound in ((1, 1e-6), (2, 1e-6), (17, 1e-4)):
+        x = torch.randn(rows, 256)
+        with torch.no_grad():
+            y = q(x)
+        assert rel_err(y, float_linear(x, q)) < bound, rows
+    ((op, operands),) = q.row_kernel().calls  # the eager CPU step's call is the forward's
+    x = torch.randn(1, 256)
+    assert torch.equal(getattr(torch.ops.ember_cpu, op)(x, *operands) + q.bias, q(x))
+
+
 def test_int4_groups_that_do_not_divide_a_width_are_refused_naming_the_fits():
     model = random_model("tiny", device="cpu", dtype=torch.float32)
     widths = sorted({m.in_features for m in model.modules() if isinstance(m, nn.Linear)})
@@ -290,9 +315,11 @@ def test_a_decode_step_with_norms_and_adds_folded_into_int8_projections_is_the_s
     # stream each add lands on, and the last norm.
     from ember.engine.kv_cache import StaticKVCache
     from ember.models import decoder
+    from ember.ops import cpu_ext
     from ember.quant.linear import Int8WeightOnlyLinear
 
     monkeypatch.setattr(decoder, "on_gpu", lambda x: True)  # the CPU rows asked as a GPU's are
+    monkeypatch.setattr(cpu_ext, "available", lambda: False)  # int8 modules keep their codes, as on a GPU
     torch.manual_seed(0)
     model = random_model("tiny", device="cpu", dtype=torch.float32, quantize="int8")
     for layer in model.model.layers:  # norms that do more than pass their input through

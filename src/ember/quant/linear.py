@@ -236,6 +236,7 @@ class Int8WeightOnlyLinear(QuantLinear):
         self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
         self.register_buffer("scales", torch.ones(out_features, dtype=torch.float32))
         self._cuda_gemv = False  # the CUDA C++ GEMV takes these weights (set by `prepare`)
+        self._f32 = False  # Ember's CPU kernel for float activations takes them (set by `prepare`)
 
     @classmethod
     def from_float(cls, linear: nn.Linear) -> Int8WeightOnlyLinear:
@@ -247,9 +248,42 @@ class Int8WeightOnlyLinear(QuantLinear):
         return m
 
     def dequantize(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales[:, None]
+        return self._codes().float() * self.scales[:, None]
+
+    def _codes(self) -> torch.Tensor:
+        """The canonical int8 codes (N, K), from the CPU kernel's tiles where `prepare` released them."""
+        return cpu_ext.untile_int8(self._tiles) if self.qweight is None else self.qweight
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.qweight is None:  # the codes live in the CPU kernel's tiles: saved in the canonical layout
+            destination[prefix + "qweight"] = self._codes()
 
     def prepare(self) -> None:
+        """On CPUs where Ember's kernels run, in float32, `cpu_ext.int8_gemv_f32` (float activations against the
+        codes, float32 products and sums: the dequantized weights' float linear, where torch's kernel rounds the
+        activations to bf16; a prefill's rows on AVX512-VNNI as int16 codes, to 2^-16 of each block of 32's
+        largest |x|). Its tiles replace the canonical codes in memory (the state dict gives them back). SmolLM2
+        int8 on 2 Zen 4 cores, eager: 51 -> 128 decode tok/s, 487 -> 1130 prefill (BENCHMARKS.md). On CUDA the
+        CUDA C++ GEMV where it builds, else the Triton kernels; elsewhere torch's weight-only kernel."""
+        if self.qweight is None:  # prepared already: the kernel's tiles hold the codes
+            return
+        N, K = self.qweight.shape
+        self._f32 = (
+            self.qweight.is_cpu
+            and self.dtype == torch.float32
+            and type(self) is Int8WeightOnlyLinear
+            and cpu_ext.fits(N, K)
+            and cpu_ext.available()
+        )
+        if self._f32:
+            self.register_buffer("_tiles", cpu_ext.int8_tiles(self.qweight), persistent=False)
+            blocks = cpu_ext.int8_block_scales(self.scales[:, None].expand(N, K // cpu_ext.BLOCK))
+            ((factors, units),) = cpu_ext.compact_factors([blocks], K)
+            self.register_buffer("_tile_scales", factors, persistent=False)
+            self.register_buffer("_scale_units", units, persistent=False)
+            self.qweight = None
+            return
         # A fresh copy from torch's allocator: tensors read by safetensors need not be 64-byte aligned, and
         # the CPU int8 kernel crashed (SIGSEGV) on one such weight in tests.
         self.qweight = self.qweight.clone()
@@ -285,9 +319,23 @@ class Int8WeightOnlyLinear(QuantLinear):
         y = kernels.int8_linear_add(x.reshape(1, -1), self.qweight, self._scales_act, resid.reshape(1, -1))
         return y.reshape(resid.shape)
 
+    def _runtime_buffers(self) -> tuple[str, ...]:
+        return ("_tiles", "_tile_scales") if self._f32 else ("qweight", "scales")
+
+    def _cpu_call(self) -> tuple[str, tuple]:
+        units = self._scale_units
+        return "int8_gemv_f32", (self._tiles, self._tile_scales, cpu_ext.BLOCK, None, units, None)
+
+    def row_kernel(self) -> RowKernel | None:
+        return RowKernel((self._cpu_call(),), self.bias) if self._f32 else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if self._f32:
+            op, operands = self._cpu_call()
+            y = getattr(torch.ops.ember_cpu, op)(float32_rows(x2), *operands)
+            return self._add_bias(y.reshape(*shape[:-1], self.out_features))
         if cpu_float_gemm(x2):  # the CPU kernel's operands: bf16 scales after the sum
             scales = round_bf16(self._scales_act.float())
             y = float_gemm_as_kernel(x2, self.qweight.float(), scales).to(x.dtype)
