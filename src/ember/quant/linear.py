@@ -264,17 +264,14 @@ class Int8WeightOnlyLinear(QuantLinear):
         codes, float32 products and sums: the dequantized weights' float linear, where torch's kernel rounds the
         activations to bf16; a prefill's rows on AVX512-VNNI as int16 codes, to 2^-16 of each block of 32's
         largest |x|). Its tiles replace the canonical codes in memory (the state dict gives them back). SmolLM2
-        int8 on 2 Zen 4 cores, eager: 51 -> 128 decode tok/s, 487 -> 1130 prefill (BENCHMARKS.md). On CUDA the
+        int8 on 2 Zen 4 cores, eager: 40-57 -> 100-119 decode tok/s, 446-552 -> 982-1249 prefill (BENCHMARKS.md,
+        fifty-first session). On CUDA the
         CUDA C++ GEMV where it builds, else the Triton kernels; elsewhere torch's weight-only kernel."""
         if self.qweight is None:  # prepared already: the kernel's tiles hold the codes
             return
         N, K = self.qweight.shape
         self._f32 = (
-            self.qweight.is_cpu
-            and self.dtype == torch.float32
-            and type(self) is Int8WeightOnlyLinear
-            and cpu_ext.fits(N, K)
-            and cpu_ext.available()
+            self.qweight.is_cpu and self.dtype == torch.float32 and cpu_ext.fits(N, K) and cpu_ext.available()
         )
         if self._f32:
             self.register_buffer("_tiles", cpu_ext.int8_tiles(self.qweight), persistent=False)
