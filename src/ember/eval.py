@@ -61,6 +61,26 @@ def windows(count: int, window: int, stride: int) -> list[tuple[int, int, int]]:
         scored_to, begin = end, begin + stride
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """The ids (T,) of a text and the windows (`windows`) that score them."""
+
+    ids: torch.Tensor
+    window: int
+    stride: int
+    spans: list[tuple[int, int, int]]
+
+    @classmethod
+    def of(cls, tokens: Sequence[int] | torch.Tensor, window: int | None, stride: int | None) -> _Plan:
+        ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        count = ids.numel()
+        if count < 2:
+            raise ValueError(f"perplexity needs at least 2 tokens, got {count}")
+        window = min(window or count, count)
+        stride = min(stride or window // 2, window - 1)
+        return cls(ids, window, stride, windows(count, window, stride))
+
+
 class _Scorer:
     """One model's side of an evaluation: its cache, its summed negative log-likelihood and its seconds."""
 
@@ -76,13 +96,11 @@ class _Scorer:
             prompts_from_start=True,
         )
 
-    def chunks(
-        self, ids: torch.Tensor, spans: list[tuple[int, int, int]], progress: bool = False
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(logits (rows, V) float32, the tokens they predict (rows,)) of every scored position in order, a
-        window's forward at a time; the seconds counted are the model's, not the caller's between chunks."""
-        model, ids = self.model, ids.to(self.device)
-        bar = tqdm(spans, desc="scoring", unit="window", disable=not progress, leave=False)
+    def chunks(self, plan: _Plan, progress: bool = False) -> Iterator[torch.Tensor]:
+        """The logits (rows, V) float32 of every scored position in order, a window's forward at a time; the
+        seconds counted are the model's, not the caller's between chunks."""
+        model, ids = self.model, plan.ids.to(self.device)
+        bar = tqdm(plan.spans, desc="scoring", unit="window", disable=not progress, leave=False)
         for begin, end, first in bar:
             start = time.perf_counter()
             x = ids[begin:end][None]
@@ -94,22 +112,14 @@ class _Scorer:
                 targets = ids[begin + rows.start + 1 : begin + rows.stop + 1]
                 self.total += float(F.cross_entropy(logits, targets, reduction="sum").double())
                 self.seconds += time.perf_counter() - start
-                yield logits, targets
+                yield logits
                 start = time.perf_counter()
 
-    def result(self, count: int, spans: list, window: int, stride: int) -> Perplexity:
+    def result(self, plan: _Plan) -> Perplexity:
+        count = plan.ids.numel()
         nll = self.total / (count - 1)
-        return Perplexity(math.exp(nll), nll, count, count - 1, len(spans), window, stride, self.seconds)
-
-
-def _plan(tokens: Sequence[int] | torch.Tensor, window: int | None, stride: int | None):
-    ids = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-    count = ids.numel()
-    if count < 2:
-        raise ValueError(f"perplexity needs at least 2 tokens, got {count}")
-    window = min(window or count, count)
-    stride = min(stride or window // 2, window - 1)
-    return ids, count, window, stride, windows(count, window, stride)
+        spans = len(plan.spans)
+        return Perplexity(math.exp(nll), nll, count, count - 1, spans, plan.window, plan.stride, self.seconds)
 
 
 def perplexity(
@@ -123,12 +133,12 @@ def perplexity(
     """The perplexity of `tokens` (ids, at least 2) under `model` (an Ember Decoder), windows of `window` tokens
     (default: all of them in one) `stride` apart (default: half a window); `progress`: a bar of windows on
     stderr."""
-    ids, count, window, stride, spans = _plan(tokens, window, stride)
-    scorer = _Scorer(model, window)
+    plan = _Plan.of(tokens, window, stride)
+    scorer = _Scorer(model, plan.window)
     with torch.inference_mode():
-        for _ in scorer.chunks(ids, spans, progress):
+        for _ in scorer.chunks(plan, progress):
             pass
-    return scorer.result(count, spans, window, stride)
+    return scorer.result(plan)
 
 
 @dataclass(frozen=True)
@@ -155,16 +165,14 @@ def compare(
     """`model`'s and `reference`'s perplexities of `tokens` over the same windows, and the divergence of
     `model`'s predictions from `reference`'s at each scored position (llama.cpp's measure of a quantization:
     perplexities of a short text move by a percent either way on noise alone, the divergence does not)."""
-    ids, count, window, stride, spans = _plan(tokens, window, stride)
-    ours, theirs = _Scorer(model, window), _Scorer(reference, window)
+    plan = _Plan.of(tokens, window, stride)
+    ours, theirs = _Scorer(model, plan.window), _Scorer(reference, plan.window)
     kl, same = [], 0
     with torch.inference_mode():
-        for (logits, _), (ref, _) in zip(
-            ours.chunks(ids, spans, progress), theirs.chunks(ids, spans), strict=True
-        ):
+        for logits, ref in zip(ours.chunks(plan, progress), theirs.chunks(plan), strict=True):
             log_p, log_q = F.log_softmax(ref, -1), F.log_softmax(logits.to(ref.device), -1)
             kl.append((log_p.exp() * (log_p - log_q)).sum(-1).double().cpu())
             same += int((logits.argmax(-1).to(ref.device) == ref.argmax(-1)).sum())
     kl = torch.cat(kl)
-    divergence = Divergence(float(kl.mean()), float(kl.quantile(0.99)), same / (count - 1))
-    return ours.result(count, spans, window, stride), theirs.result(count, spans, window, stride), divergence
+    divergence = Divergence(float(kl.mean()), float(kl.quantile(0.99)), same / kl.numel())
+    return ours.result(plan), theirs.result(plan), divergence

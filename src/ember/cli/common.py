@@ -169,8 +169,9 @@ def sampling_params(args: argparse.Namespace, model_defaults: dict) -> SamplingP
     )
 
 
-def load_model(args: argparse.Namespace):
-    """The LoadedModel the loading options name (no progress bar: for commands that measure it)."""
+def load_model(args: argparse.Namespace, quantize: str | None = None):
+    """The LoadedModel the loading options name, or with another `quantize` scheme than theirs (no progress
+    bar: for commands that measure it)."""
     from ember.loading.checkpoint import load
 
     return load(
@@ -179,7 +180,7 @@ def load_model(args: argparse.Namespace):
         dtype=args.dtype,
         allow_pickle=args.allow_pickle,
         progress=False,
-        quantize=args.quantize,
+        quantize=quantize or args.quantize,
         quant_cache=args.quant_cache,
     )
 

@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     progress = sys.stderr.isatty()
     versus = divergence = None
     if args.versus is not None:
-        reference = load_model(argparse.Namespace(**{**vars(args), "quantize": args.versus}))
+        reference = load_model(args, quantize=args.versus)
         result, versus, divergence = compare(
             loaded.model, reference.model, ids, window=window, stride=stride, progress=progress
         )
